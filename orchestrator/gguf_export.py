@@ -1,0 +1,566 @@
+"""Write GGUF models for llama.cpp: Qwen3-MoE, Qwen3 (dense) and Qwen2-MoE (shared expert).
+
+A model is a `ModelConfig`, a `Tokenizer` and a dict of numpy arrays named as in GGUF
+(`blk.0.ffn_gate_exps.weight`, ...). Array shapes follow PyTorch (out, in): ggml's shapes
+reversed, so an expert tensor is (n_expert, n_ff_exp, n_embd). Keys and tensor names come
+from `gguf`'s constants, never re-typed.
+
+    cfg = tiny_config("qwen2moe", n_layer=2)
+    make_random_model("tiny.gguf", cfg, seed=0)          # random weights, F32
+    quantize_gguf("tiny.gguf", "tiny-q4_0.gguf", "q4_0") # through llama.cpp (llama-cpp-python)
+
+Every file is written to a temporary name beside its destination and renamed when complete,
+so a failure never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType, TokenType
+
+__all__ = [
+    "ARCHES",
+    "ModelConfig",
+    "Tokenizer",
+    "tiny_config",
+    "tensor_shapes",
+    "validate_tensors",
+    "random_weights",
+    "byte_level_bpe_tokenizer",
+    "write_gguf",
+    "make_random_model",
+    "quantize_gguf",
+    "QUANT_TYPES",
+    "WRITE_DTYPES",
+]
+
+ARCHES: dict[str, MODEL_ARCH] = {
+    gguf.MODEL_ARCH_NAMES[a]: a for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN2MOE)
+}
+MOE_ARCHES = {gguf.MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE], gguf.MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]}
+
+# Types `write_gguf` produces itself (numpy); anything else goes through `quantize_gguf`.
+WRITE_DTYPES: dict[str, GGMLQuantizationType] = {
+    "f32": GGMLQuantizationType.F32,
+    "f16": GGMLQuantizationType.F16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+}
+_FILE_TYPE = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+}
+# Types `quantize_gguf` accepts: llama.cpp's file types by their usual lower-case names.
+QUANT_TYPES: dict[str, gguf.LlamaFileType] = {
+    name.removeprefix("MOSTLY_").removeprefix("ALL_").lower(): ft
+    for name, ft in gguf.LlamaFileType.__members__.items()
+    if name not in ("GUESSED",)
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of one model. `arch` is a GGUF architecture name (see ARCHES)."""
+
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int = 0  # dense FFN width (qwen3); informative only for MoE arches
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # qwen2moe shared expert width
+    n_ctx_train: int = 4096
+    rope_freq_base: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False  # no output.weight; llama.cpp reuses token_embd (qwen3*)
+    qkv_bias: bool = False  # qwen2moe: Q/K/V projections carry biases
+    name: str = "spac-model"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.arch in MOE_ARCHES
+
+    def check(self) -> None:
+        """Raise ValueError if the architecture and dimensions do not fit together."""
+        if self.arch not in ARCHES:
+            raise ValueError(f"unknown arch {self.arch!r}; expected one of {sorted(ARCHES)}")
+        for f in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"{self.arch}: {f} must be > 0, got {getattr(self, f)}")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.is_moe:
+            if self.n_expert <= 0 or self.n_ff_exp <= 0:
+                raise ValueError(f"{self.arch} needs n_expert > 0 and n_ff_exp > 0")
+            if not 0 < self.n_expert_used <= self.n_expert:
+                raise ValueError(f"n_expert_used {self.n_expert_used} must be in 1..n_expert ({self.n_expert})")
+        elif self.n_ff <= 0:
+            raise ValueError(f"{self.arch} is dense and needs n_ff > 0")
+        elif self.n_expert:
+            raise ValueError(f"{self.arch} is dense but n_expert = {self.n_expert}")
+        if self.arch == "qwen2moe":
+            if self.n_ff_shexp <= 0:
+                raise ValueError("qwen2moe needs n_ff_shexp > 0 (shared expert)")
+            if self.n_head * self.head_dim != self.n_embd:
+                raise ValueError("qwen2moe needs n_head * head_dim == n_embd")
+            if self.tie_embeddings:
+                raise ValueError("qwen2moe requires output.weight (tie_embeddings=False)")
+        elif self.n_ff_shexp or self.qkv_bias:
+            raise ValueError(f"{self.arch} has no shared expert or Q/K/V bias")
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+def tiny_config(arch: str = "qwen3moe", **overrides) -> ModelConfig:
+    """A tiny model of `arch` for tests: 2 layers, d 64, 8 experts top-2 (MoE) or ff 128."""
+    base = dict(arch=arch, n_vocab=320, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, head_dim=16,
+                n_ctx_train=512, name=f"spac-random-{arch}")
+    if arch in MOE_ARCHES:
+        base.update(n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff=64)
+    else:
+        base.update(n_ff=128)
+    if arch == "qwen2moe":
+        base.update(n_ff_shexp=64, qkv_bias=True)
+    base.update(overrides)
+    cfg = ModelConfig(**base)
+    cfg.check()
+    return cfg
+
+
+def _tn(t: MODEL_TENSOR, suffix: str = "weight", bid: int | None = None) -> str:
+    name = gguf.TENSOR_NAMES[t] if bid is None else gguf.TENSOR_NAMES[t].format(bid=bid)
+    return f"{name}.{suffix}"
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model has, in file order, with its numpy (PyTorch-order) shape."""
+    cfg.check()
+    d, hd, v = cfg.n_embd, cfg.head_dim, cfg.n_vocab
+    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    shapes: dict[str, tuple[int, ...]] = {_tn(MODEL_TENSOR.TOKEN_EMBD): (v, d)}
+    for i in range(cfg.n_layer):
+        L = lambda t, s="weight": _tn(t, s, i)  # noqa: E731
+        shapes[L(MODEL_TENSOR.ATTN_NORM)] = (d,)
+        shapes[L(MODEL_TENSOR.ATTN_Q)] = (q, d)
+        shapes[L(MODEL_TENSOR.ATTN_K)] = (kv, d)
+        shapes[L(MODEL_TENSOR.ATTN_V)] = (kv, d)
+        if cfg.qkv_bias:
+            shapes[L(MODEL_TENSOR.ATTN_Q, "bias")] = (q,)
+            shapes[L(MODEL_TENSOR.ATTN_K, "bias")] = (kv,)
+            shapes[L(MODEL_TENSOR.ATTN_V, "bias")] = (kv,)
+        if cfg.arch != "qwen2moe":
+            shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (hd,)
+            shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (hd,)
+        shapes[L(MODEL_TENSOR.ATTN_OUT)] = (d, q)
+        shapes[L(MODEL_TENSOR.FFN_NORM)] = (d,)
+        if cfg.is_moe:
+            e, f = cfg.n_expert, cfg.n_ff_exp
+            shapes[L(MODEL_TENSOR.FFN_GATE_INP)] = (e, d)
+            shapes[L(MODEL_TENSOR.FFN_GATE_EXP)] = (e, f, d)
+            shapes[L(MODEL_TENSOR.FFN_UP_EXP)] = (e, f, d)
+            shapes[L(MODEL_TENSOR.FFN_DOWN_EXP)] = (e, d, f)
+            if cfg.n_ff_shexp:
+                s = cfg.n_ff_shexp
+                shapes[L(MODEL_TENSOR.FFN_GATE_INP_SHEXP)] = (d,)
+                shapes[L(MODEL_TENSOR.FFN_GATE_SHEXP)] = (s, d)
+                shapes[L(MODEL_TENSOR.FFN_UP_SHEXP)] = (s, d)
+                shapes[L(MODEL_TENSOR.FFN_DOWN_SHEXP)] = (d, s)
+        else:
+            shapes[L(MODEL_TENSOR.FFN_GATE)] = (cfg.n_ff, d)
+            shapes[L(MODEL_TENSOR.FFN_UP)] = (cfg.n_ff, d)
+            shapes[L(MODEL_TENSOR.FFN_DOWN)] = (d, cfg.n_ff)
+    shapes[_tn(MODEL_TENSOR.OUTPUT_NORM)] = (d,)
+    if not cfg.tie_embeddings:
+        shapes[_tn(MODEL_TENSOR.OUTPUT)] = (v, d)
+    return shapes
+
+
+TensorSource = Mapping[str, "np.ndarray | Callable[[], np.ndarray]"]
+
+
+def validate_tensors(cfg: ModelConfig, tensors: Mapping[str, object]) -> dict[str, tuple[int, ...]]:
+    """Check names and shapes against `cfg`; raise one ValueError listing every problem.
+
+    Values may be arrays or zero-argument callables (lazy tensors, not called here)."""
+    shapes = tensor_shapes(cfg)
+    problems = [f"missing tensor {n} {s}" for n, s in shapes.items() if n not in tensors]
+    problems += [f"unexpected tensor {n}" for n in tensors if n not in shapes]
+    for n, t in tensors.items():
+        if n in shapes and not callable(t) and tuple(np.shape(t)) != shapes[n]:
+            problems.append(f"{n}: shape {tuple(np.shape(t))}, expected {shapes[n]} for this config")
+    if problems:
+        head = f"tensors do not match {cfg.arch} config (n_embd={cfg.n_embd}, n_layer={cfg.n_layer})"
+        raise ValueError(head + ":\n  " + "\n  ".join(problems[:20])
+                         + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+    return shapes
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random float32 weights: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1²).
+
+    Routers are drawn like any matrix, so routing varies from token to token."""
+    rng = np.random.default_rng(seed)
+    return {name: _random_tensor(rng, name, shape) for name, shape in tensor_shapes(cfg).items()}
+
+
+def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) == 1:
+        base = 0.0 if name.endswith(".bias") or "shexp" in name else 1.0
+        return (base + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    scale = 1.0 if name.startswith(gguf.TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]) else shape[-1] ** -0.5
+    return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+@dataclass
+class Tokenizer:
+    """A byte-level BPE vocabulary as llama.cpp reads it (`tokenizer.ggml.*`)."""
+
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]  # "a b"
+    eos_id: int
+    bos_id: int | None = None
+    pad_id: int | None = None
+    pre: str = "qwen2"
+    add_bos: bool = False
+    chat_template: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_hf_json(cls, text: str, eos: str = "<|endoftext|>", n_vocab: int | None = None) -> Tokenizer:
+        """From a `tokenizers` tokenizer.json (BPE model, byte-level); pads to `n_vocab` with
+        unused tokens when the model's embedding has more rows than the tokenizer has tokens."""
+        j = json.loads(text)
+        model = j["model"]
+        if model.get("type") != "BPE":
+            raise ValueError(f"expected a BPE tokenizer, got {model.get('type')}")
+        vocab: dict[str, int] = dict(model["vocab"])
+        special = set()
+        for t in j.get("added_tokens", []):
+            vocab[t["content"]] = t["id"]
+            if t.get("special"):
+                special.add(t["content"])
+        size = max(vocab.values()) + 1
+        if sorted(vocab.values()) != list(range(size)):
+            raise ValueError("tokenizer ids are not contiguous")
+        tokens = [""] * size
+        for tok, i in vocab.items():
+            tokens[i] = tok
+        types = [int(TokenType.CONTROL if t in special else TokenType.NORMAL) for t in tokens]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+        _pad_vocab(tokens, types, n_vocab)
+        return cls(tokens=tokens, token_types=types, merges=merges, eos_id=vocab[eos], bos_id=vocab[eos])
+
+
+def _pad_vocab(tokens: list[str], types: list[int], n_vocab: int | None) -> None:
+    if n_vocab is None:
+        return
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab {n_vocab} is smaller than the tokenizer ({len(tokens)} tokens)")
+    for i in range(len(tokens), n_vocab):
+        tokens.append(f"<|unused_{i}|>")
+        types.append(int(TokenType.UNUSED))
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Text the random-model tokenizer learns its merges from (any text would do).
+_BPE_SEED_TEXT = '''
+def forward(self, x, mask=None):
+    """Return the output of the layer for the input x."""
+    for i in range(len(self.layers)):
+        x = self.layers[i](x) + x
+    if mask is not None:
+        return x * mask
+    return x
+
+class Expert:
+    def __init__(self, n_embd, n_ff):
+        self.gate = Linear(n_embd, n_ff)
+        self.up = Linear(n_embd, n_ff)
+        self.down = Linear(n_ff, n_embd)
+
+    def __call__(self, x):
+        return self.down(silu(self.gate(x)) * self.up(x))
+The quick brown fox jumps over the lazy dog. Experts are selected by the router, and the
+selected experts are computed on the device or on the host, then their outputs are summed.
+'''
+_PRETOKENIZE = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
+
+
+def byte_level_bpe_tokenizer(n_vocab: int = 320, text: str = _BPE_SEED_TEXT) -> Tokenizer:
+    """A small deterministic byte-level BPE tokenizer of exactly `n_vocab` tokens: the 256
+    bytes, merges learnt from `text`, the special tokens, then unused padding if needed."""
+    n_merges = n_vocab - 256 - len(SPECIAL_TOKENS)
+    if n_merges < 0:
+        raise ValueError(f"n_vocab must be >= {256 + len(SPECIAL_TOKENS)}, got {n_vocab}")
+    b2u = bytes_to_unicode()
+    words = Counter(tuple(b2u[b] for b in w.encode()) for w in _PRETOKENIZE.findall(text))
+    tokens = [b2u[b] for b in range(256)]
+    known, merges = set(tokens), []
+    while len(merges) < n_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for w, c in words.items():
+            for p in zip(w, w[1:]):
+                pairs[p] += c
+        if not pairs:
+            break
+        best = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        merged = best[0] + best[1]
+        merges.append(f"{best[0]} {best[1]}")
+        if merged not in known:
+            known.add(merged)
+            tokens.append(merged)
+        words = Counter({_merge_word(w, best, merged): c for w, c in words.items()})
+    types = [int(TokenType.NORMAL)] * len(tokens)
+    eos = len(tokens)
+    tokens += SPECIAL_TOKENS
+    types += [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
+    _pad_vocab(tokens, types, n_vocab)
+    return Tokenizer(tokens=tokens, token_types=types, merges=merges, eos_id=eos, bos_id=eos)
+
+
+def _merge_word(word: tuple[str, ...], pair: tuple[str, str], merged: str) -> tuple[str, ...]:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(merged)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it to `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, tok: Tokenizer, dtype: str) -> None:
+    w.add_name(cfg.name)
+    w.add_file_type(_FILE_TYPE[dtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_vocab_size(cfg.n_vocab)
+    w.add_context_length(cfg.n_ctx_train)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.n_ff if cfg.n_ff else cfg.n_ff_exp * cfg.n_expert_used)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_freq_base)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.is_moe:
+        w.add_expert_count(cfg.n_expert)
+        w.add_expert_used_count(cfg.n_expert_used)
+        w.add_expert_feed_forward_length(cfg.n_ff_exp)
+        if cfg.n_ff_shexp:
+            w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok.pre)
+    w.add_token_list(tok.tokens)
+    w.add_token_types(tok.token_types)
+    w.add_token_merges(tok.merges)
+    w.add_eos_token_id(tok.eos_id)
+    if tok.bos_id is not None:
+        w.add_bos_token_id(tok.bos_id)
+    if tok.pad_id is not None:
+        w.add_pad_token_id(tok.pad_id)
+    w.add_add_bos_token(tok.add_bos)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+
+
+def _storage_type(name: str, shape: tuple[int, ...], dtype: str) -> GGMLQuantizationType:
+    """1-D tensors (norms, biases, gates) stay F32; block quants need rows divisible by the block."""
+    qtype = WRITE_DTYPES[dtype]
+    if len(shape) == 1:
+        return GGMLQuantizationType.F32
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if shape[-1] % block:
+        return GGMLQuantizationType.F16
+    return qtype
+
+
+def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: TensorSource, tokenizer: Tokenizer,
+               dtype: str = "f32", metadata: Mapping[str, str] | None = None,
+               progress: Callable[[str], None] | None = None) -> Path:
+    """Write a complete GGUF for `cfg` and return its path.
+
+    tensors: name -> float array (PyTorch-order shape), or name -> zero-argument callable
+             returning it, called once while writing (so a huge model is never held in RAM).
+    dtype:   one of WRITE_DTYPES; 1-D tensors are always F32. Other types: `quantize_gguf`.
+    metadata: extra string key/values (e.g. {"spac.training_command": ...}).
+    """
+    if dtype not in WRITE_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} for write_gguf; expected one of {sorted(WRITE_DTYPES)} "
+                         "(other types: quantize_gguf)")
+    cfg.check()
+    if len(tokenizer) != cfg.n_vocab:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but n_vocab = {cfg.n_vocab}")
+    shapes = validate_tensors(cfg, tensors)
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(tmp, cfg.arch)
+        _write_metadata(w, cfg, tokenizer, dtype)
+        for k, v in (metadata or {}).items():
+            w.add_string(k, v)
+        qtypes = {n: _storage_type(n, s, dtype) for n, s in shapes.items()}
+        for name, shape in shapes.items():
+            q = qtypes[name]
+            nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(shape, q)))
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=q)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for name, shape in shapes.items():
+            src = tensors[name]
+            arr = np.asarray(src() if callable(src) else src, dtype=np.float32)
+            if arr.shape != shape:
+                raise ValueError(f"{name}: lazy tensor has shape {arr.shape}, expected {shape}")
+            if not np.all(np.isfinite(arr)):
+                raise ValueError(f"{name}: contains NaN or Inf")
+            w.write_tensor_data(gguf.quants.quantize(arr, qtypes[name]))
+            if progress:
+                progress(name)
+        w.close()
+    return Path(path)
+
+
+def make_random_model(path: str | os.PathLike[str], cfg: ModelConfig | str = "qwen3moe", seed: int = 0,
+                      dtype: str = "f32", quant: str | None = None) -> Path:
+    """Write a seeded random-weight model with a byte-level BPE tokenizer of cfg.n_vocab tokens.
+
+    cfg: a ModelConfig or an arch name (then `tiny_config(arch)`). dtype: how `write_gguf`
+    stores it; quant: if given, the file is then re-quantized through llama.cpp to this type."""
+    if isinstance(cfg, str):
+        cfg = tiny_config(cfg)
+    tok = byte_level_bpe_tokenizer(cfg.n_vocab)
+    meta = {"spac.random_seed": str(seed)}
+    if quant is None:
+        return write_gguf(path, cfg, random_weights(cfg, seed), tok, dtype=dtype, metadata=meta)
+    _quant_ftype(quant)  # fail before writing anything
+    path = Path(path)
+    with tempfile.TemporaryDirectory(dir=path.parent if path.parent.exists() else None) as d:
+        src = write_gguf(Path(d) / "src.gguf", cfg, random_weights(cfg, seed), tok, dtype=dtype, metadata=meta)
+        return quantize_gguf(src, path, quant)
+
+
+def _quant_ftype(quant: str) -> gguf.LlamaFileType:
+    ft = QUANT_TYPES.get(quant.lower())
+    if ft is None:
+        raise ValueError(f"unknown quant type {quant!r}; expected one of {sorted(QUANT_TYPES)}")
+    return ft
+
+
+def quantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: str,
+                  n_threads: int = 0) -> Path:
+    """Re-quantize a GGUF with llama.cpp's quantizer (llama-cpp-python), e.g. "q4_0", "q8_0",
+    "q4_k_m". Tensors whose rows do not fit the block size get llama.cpp's fallback type."""
+    ft = _quant_ftype(quant)
+    src = Path(src)
+    if not src.is_file():
+        raise FileNotFoundError(src)
+    import llama_cpp  # optional: built from the pinned sdist
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = int(ft)
+    params.nthread = n_threads
+    with atomic_path(dst) as tmp:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src.name} -> {quant}) failed with code {rc}")
+    return Path(dst)
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The ModelConfig of a GGUF written by this module (or any qwen3/qwen3moe/qwen2moe GGUF)."""
+    r = gguf.GGUFReader(path)
+
+    def get(key: str, default=None):
+        f = r.get_field(key)
+        return default if f is None else f.contents()
+
+    arch = get(gguf.Keys.General.ARCHITECTURE)
+    k = lambda key: key.format(arch=arch)  # noqa: E731
+    n_head = int(get(k(gguf.Keys.Attention.HEAD_COUNT)))
+    n_embd = int(get(k(gguf.Keys.LLM.EMBEDDING_LENGTH)))
+    names = {t.name for t in r.tensors}
+    return ModelConfig(
+        arch=arch,
+        n_vocab=len(get(gguf.Keys.Tokenizer.LIST)),
+        n_embd=n_embd,
+        n_layer=int(get(k(gguf.Keys.LLM.BLOCK_COUNT))),
+        n_head=n_head,
+        n_head_kv=int(get(k(gguf.Keys.Attention.HEAD_COUNT_KV), n_head)),
+        head_dim=int(get(k(gguf.Keys.Attention.KEY_LENGTH), n_embd // n_head)),
+        n_ff=int(get(k(gguf.Keys.LLM.FEED_FORWARD_LENGTH), 0)),
+        n_expert=int(get(k(gguf.Keys.LLM.EXPERT_COUNT), 0)),
+        n_expert_used=int(get(k(gguf.Keys.LLM.EXPERT_USED_COUNT), 0)),
+        n_ff_exp=int(get(k(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 0)),
+        n_ff_shexp=int(get(k(gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0)),
+        n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH))),
+        rope_freq_base=float(f"{get(k(gguf.Keys.Rope.FREQ_BASE), 10000.0):.7g}"),
+        rms_norm_eps=float(f"{get(k(gguf.Keys.Attention.LAYERNORM_RMS_EPS)):.7g}"),  # stored as f32
+        tie_embeddings=_tn(MODEL_TENSOR.OUTPUT) not in names,
+        qkv_bias=_tn(MODEL_TENSOR.ATTN_Q, "bias", 0) in names,
+        name=str(get(gguf.Keys.General.NAME, "")),
+    )
+
+
+def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+    out = replace(cfg, **kw)
+    out.check()
+    return out
+
