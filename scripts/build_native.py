@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Build the patched llama.cpp and install it as llama-cpp-python into this Python.
+
+    python scripts/build_native.py            # CPU + RPC (the test build)
+    python scripts/build_native.py --cuda --cuda-arch 86
+
+Steps: get the sdist pinned in vendor/llama-cpp-python.lock (pip download, sha256 checked),
+extract it to vendor/llama-cpp-python/ as a git repo with one commit per applied patch,
+apply ggml-patches/series, then `pip install` the tree with a persistent CMake build dir so
+that a patch edit recompiles only what it touches. A stamp holding a hash of the lock file,
+the patch series and the build options makes a re-run with nothing changed a no-op.
+
+A bad sdist or a patch that does not apply stops the build before anything installed is
+touched. Standard library only: this runs before anything else is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENDOR = ROOT / "vendor"
+LOCK = VENDOR / "llama-cpp-python.lock"
+PATCHES = ROOT / "ggml-patches"
+TREE = VENDOR / "llama-cpp-python"      # extracted sdist, a git repo
+LLAMA_CPP_DIR = "vendor/llama.cpp"       # llama.cpp inside the sdist; patches are relative to it
+STAMP = VENDOR / "build-stamp.json"
+PRISTINE_TAG = "pristine"
+GIT_ID = ["-c", "user.name=spac build", "-c", "user.email=build@spac.invalid", "-c", "commit.gpgsign=false"]
+
+# what the Python package needs; tests, examples, tools and mtmd only cost build time
+BASE_CMAKE_ARGS = [
+    "-DLLAVA_BUILD=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+]
+
+
+class BuildError(Exception):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[build] {msg}", flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_lock() -> dict:
+    with open(LOCK, "rb") as f:
+        return tomllib.load(f)
+
+
+def read_series(patch_dir: Path = PATCHES) -> list[Path]:
+    series = patch_dir / "series"
+    if not series.exists():
+        return []
+    names = [ln.strip() for ln in series.read_text().splitlines()]
+    patches = [patch_dir / n for n in names if n and not n.startswith("#")]
+    for p in patches:
+        if not p.exists():
+            raise BuildError(f"{patch_dir.name}/series names {p.name}, which does not exist")
+    return patches
+
+
+def cmake_args(args: argparse.Namespace) -> list[str]:
+    out = list(BASE_CMAKE_ARGS)
+    if args.rpc:
+        out.append("-DGGML_RPC=ON")
+    if args.cuda:
+        # "native" would need a GPU at build time; an explicit list builds anywhere nvcc exists
+        out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}"]
+    out += args.cmake_arg
+    return out
+
+
+def stamp_key(lock: dict, patches: list[Path], cmake: list[str], python: str) -> str:
+    h = hashlib.sha256()
+    h.update(LOCK.read_bytes())
+    for p in patches:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(json.dumps([cmake, python]).encode())
+    return h.hexdigest()
+
+
+def installed_lib(python: str) -> Path | None:
+    """libllama.so of the llama_cpp that `python` imports, found without loading it."""
+    code = ("import importlib.util as u; s = u.find_spec('llama_cpp'); "
+            "print(s.submodule_search_locations[0] if s else '')")
+    res = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    pkg = res.stdout.strip()
+    if res.returncode != 0 or not pkg:
+        return None
+    libs = sorted(Path(pkg, "lib").glob("libllama.*"))
+    return libs[0] if libs else None
+
+
+def up_to_date(key: str, python: str) -> bool:
+    if not STAMP.exists():
+        return False
+    try:
+        stamp = json.loads(STAMP.read_text())
+    except json.JSONDecodeError:
+        return False
+    lib = installed_lib(python)
+    return (stamp.get("key") == key and lib is not None
+            and stamp.get("lib") == str(lib) and stamp.get("lib_mtime") == lib.stat().st_mtime)
+
+
+def fetch_sdist(lock: dict, python: str, sdist: Path | None) -> Path:
+    """Return a verified copy of the pinned sdist; raise before touching anything on mismatch."""
+    cached = VENDOR / "downloads" / lock["filename"]
+    if sdist is None and not cached.exists():
+        log(f"downloading {lock['name']}=={lock['version']} (sdist) with pip")
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                   "--no-build-isolation", "-d", tmp, f"{lock['name']}=={lock['version']}"]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            got = list(Path(tmp).glob("*.tar.gz"))
+            if res.returncode != 0 or not got:
+                raise BuildError(f"pip download failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+            digest = sha256_file(got[0])
+            if digest != lock["sha256"]:
+                raise BuildError(_hash_message(got[0].name, lock, digest))
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(got[0], cached)
+        return cached
+    path = sdist or cached
+    if not path.exists():
+        raise BuildError(f"sdist {path} does not exist")
+    digest = sha256_file(path)
+    if digest != lock["sha256"]:
+        raise BuildError(_hash_message(str(path), lock, digest))
+    return path
+
+
+def _hash_message(name: str, lock: dict, digest: str) -> str:
+    return (f"sha256 mismatch for {name}:\n  expected {lock['sha256']} (vendor/llama-cpp-python.lock)\n"
+            f"  got      {digest}\nrefusing to build from it; the earlier build is left in place")
+
+
+def git(*args: str, cwd: Path = TREE, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(["git", *GIT_ID, *args], cwd=cwd, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise BuildError(f"git {' '.join(args)} failed in {cwd}:\n{res.stderr}")
+    return res
+
+
+def prepare_tree(sdist: Path, sha: str, tree: Path = TREE) -> None:
+    """Extract the sdist once into a git repo tagged `pristine`; later runs reset to the tag.
+
+    Resetting (instead of re-extracting) keeps the mtime of every file no patch touches, so
+    the persistent CMake build dir recompiles only what changed.
+    """
+    marker = tree / ".spac-sdist-sha256"
+    if tree.exists() and marker.exists() and marker.read_text().strip() == sha:
+        git("reset", "-q", "--hard", PRISTINE_TAG, cwd=tree)
+        git("clean", "-q", "-fdx", cwd=tree)
+        return
+    log(f"extracting {sdist.name}")
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=tree.parent, prefix=".extract-"))
+    try:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="data")
+        (top,) = list(tmp.iterdir())
+        # the sdist ships upstream's .git, where vendor/llama.cpp is a submodule link: start a
+        # fresh repo so every file of the tree is tracked and patches show up in `git diff`
+        shutil.rmtree(top / ".git", ignore_errors=True)
+        (top / ".spac-sdist-sha256").write_text(sha + "\n")
+        git("init", "-q", cwd=top)
+        git("add", "-A", "--force", cwd=top)  # upstream .gitignore files would hide src/models/
+        git("commit", "-q", "-m", "pristine sdist", cwd=top)
+        git("tag", PRISTINE_TAG, cwd=top)
+        if tree.exists():
+            shutil.rmtree(tree)
+        top.rename(tree)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def apply_patches(patches: list[Path], tree: Path = TREE) -> None:
+    """`git apply --check`, then apply and commit, every patch in order.
+
+    A failure names the patch and git's message names the file and hunk.
+    """
+    for p in patches:
+        res = git("apply", "--check", f"--directory={LLAMA_CPP_DIR}", str(p), cwd=tree, check=False)
+        if res.returncode != 0:
+            raise BuildError(f"{p.parent.name}/{p.name} does not apply to the pinned tree:\n{res.stderr.strip()}")
+        # later patches build on earlier ones, so apply before checking the next
+        git("apply", f"--directory={LLAMA_CPP_DIR}", str(p), cwd=tree)
+        git("add", "-A", "--force", cwd=tree)
+        header = p.read_text().split("diff --git", 1)[0].strip()
+        git("commit", "-q", "--allow-empty", "-m", f"{p.name}\n\n{header}".strip(), cwd=tree)
+
+
+def export_patches() -> None:
+    """Write each commit after `pristine` back to ggml-patches/<commit subject>.
+
+    The patch workflow: build once, edit in vendor/llama-cpp-python/vendor/llama.cpp, amend or
+    add commits there (subject = patch file name, body = the patch's description), then run
+    with --export-patches.
+    """
+    revs = git("rev-list", "--reverse", f"{PRISTINE_TAG}..HEAD").stdout.split()
+    names = []
+    for rev in revs:
+        name = git("log", "-1", "--format=%s", rev).stdout.strip()
+        header = git("log", "-1", "--format=%b", rev).stdout.strip()
+        diff = git("diff", f"--relative={LLAMA_CPP_DIR}", f"{rev}~1", rev).stdout
+        (PATCHES / name).write_text((header + "\n\n" if header else "") + diff)
+        names.append(name)
+    (PATCHES / "series").write_text("".join(n + "\n" for n in names))
+    log(f"exported {len(names)} patches to ggml-patches/")
+
+
+def pip_install(python: str, cmake: list[str]) -> None:
+    # one build dir per option set, so a CUDA build never reuses a CPU cache
+    variant = hashlib.sha256(json.dumps(cmake).encode()).hexdigest()[:10]
+    build_dir = VENDOR / "build" / variant
+    env = dict(os.environ)
+    env["CMAKE_ARGS"] = " ".join(cmake)
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+    res = subprocess.run([python, "-c", "import scikit_build_core"], capture_output=True)
+    if res.returncode != 0:
+        subprocess.run([python, "-m", "pip", "install", "-q", "scikit-build-core>=0.9.2"], check=True)
+    # a local path is always rebuilt and reinstalled by pip; its runtime deps come along
+    cmd = [python, "-m", "pip", "install", "--no-build-isolation",
+           "-C", f"build-dir={build_dir}", str(TREE)]
+    log(f"building with CMAKE_ARGS={env['CMAKE_ARGS']} (log: {build_dir}.log)")
+    build_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{build_dir}.log", "w") as logf:
+        res = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+    if res.returncode != 0:
+        tail = Path(f"{build_dir}.log").read_text().splitlines()[-40:]
+        raise BuildError("pip install of the patched tree failed:\n" + "\n".join(tail))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", default=sys.executable, help="interpreter to install into (default: this one)")
+    ap.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
+    ap.add_argument("--cuda-arch", default="75;86;89",
+                    help="CMAKE_CUDA_ARCHITECTURES (default: Turing, Ampere and Ada consumer GPUs)")
+    ap.add_argument("--no-rpc", dest="rpc", action="store_false",
+                    help="leave out the RPC backend (the tests use it as their second device)")
+    ap.add_argument("--cmake-arg", action="append", default=[], help="extra CMake argument (repeatable)")
+    ap.add_argument("--sdist", type=Path, help="use this sdist file instead of downloading")
+    ap.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
+    ap.add_argument("--check-patches", action="store_true",
+                    help="only check that the series applies to a fresh extract (in a temp dir), then stop")
+    ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
+    ap.add_argument("--export-patches", action="store_true",
+                    help="write the commits of vendor/llama-cpp-python back to ggml-patches/")
+    args = ap.parse_args(argv)
+
+    t0 = time.monotonic()
+    try:
+        if args.export_patches:
+            export_patches()
+            return 0
+        lock = read_lock()
+        patches = read_series(args.patches_dir)
+        if args.check_patches:
+            sdist = fetch_sdist(lock, args.python, args.sdist)
+            with tempfile.TemporaryDirectory() as tmp:
+                prepare_tree(sdist, lock["sha256"], Path(tmp) / "tree")
+                apply_patches(patches, Path(tmp) / "tree")
+            log(f"{len(patches)} patches apply cleanly to a fresh extract")
+            return 0
+        cmake = cmake_args(args)
+        key = stamp_key(lock, patches, cmake, args.python)
+        if not (args.force or args.sdist) and up_to_date(key, args.python):
+            log(f"up to date ({len(patches)} patches), nothing to do")
+            return 0
+        sdist = fetch_sdist(lock, args.python, args.sdist)
+        prepare_tree(sdist, lock["sha256"])
+        apply_patches(patches)
+        log(f"{len(patches)} patches apply cleanly")
+        pip_install(args.python, cmake)
+        lib = installed_lib(args.python)
+        if lib is None:
+            raise BuildError("llama_cpp is not importable after install")
+        STAMP.write_text(json.dumps({"key": key, "lib": str(lib), "lib_mtime": lib.stat().st_mtime}) + "\n")
+        log(f"done in {time.monotonic() - t0:.0f} s")
+        return 0
+    except BuildError as e:
+        print(f"[build] error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Shared fixtures: where the patched build lives, and compiling small native tests against it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_CPP_TREE = ROOT / "vendor" / "llama-cpp-python" / "vendor" / "llama.cpp"
+NATIVE_BUILD = ROOT / "build" / "tests"
+
+
+def llama_lib_dir() -> Path:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None:
+        pytest.fail("llama_cpp is not installed: run scripts/build_native.py first")
+    return Path(spec.submodule_search_locations[0]) / "lib"
+
+
+def compile_native(sources: list[Path], name: str, cxx: bool = False, libs=("ggml", "ggml-base", "ggml-cpu")) -> Path:
+    """Compile a test program against the installed patched libraries; cached by content."""
+    lib_dir = llama_lib_dir()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + str(lib_dir).encode()).hexdigest()[:12]
+    out = NATIVE_BUILD / f"{name}-{key}"
+    if out.exists():
+        return out
+    NATIVE_BUILD.mkdir(parents=True, exist_ok=True)
+    compiler = ["g++", "-std=c++17"] if cxx else ["gcc", "-std=c11"]
+    cmd = [*compiler, "-O2", "-Wall", *map(str, sources), "-o", str(out),
+           f"-I{LLAMA_CPP_TREE / 'ggml' / 'include'}", f"-I{LLAMA_CPP_TREE / 'include'}",
+           f"-L{lib_dir}", *(f"-l{lib}" for lib in libs), f"-Wl,-rpath,{lib_dir}", "-lm", "-lpthread"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.fail(f"compiling {name} failed:\n{res.stderr}")
+    return out
