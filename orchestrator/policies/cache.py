@@ -1,0 +1,143 @@
+"""Classic expert caches: each keeps the experts it ranks highest and evicts the lowest.
+
+- `LRU`: least recently used. `per_layer=True` (the default) is Mixtral-offloading's cache,
+  capacity // n_layer experts per layer; `per_layer=False` one pool over all layers.
+- `LFU`: least frequently used, token-weighted counts over the whole run (MoE-Infinity's
+  "least visit count" eviction).
+- `ScoreBased`: lowest accumulated routing weight (Zhu et al., as benchmarked by SpecMD).
+- `LeastStale`: SpecMD's policy (seed 001 §4.2): experts used in the current pass are
+  "current", the others "stale"; stale experts go first, current ones only when nothing else
+  is left; inside each group first-in-first-out by layer position.
+
+By default they fetch missing experts on demand (`miss="fetch"`, the GPU-centric systems they
+come from) and their plans copy nothing ahead; with `miss="cpu"` the same ranking becomes a
+plan: after each pass, admit the experts ranked highest, compute the rest on the host.
+Ties: the lower (layer, expert) is evicted first and, consistently, kept last.
+
+A verify pass runs each layer once, so recency is tracked per layer access. With that clock a
+global LRU orders its victims exactly as Least-Stale does (oldest pass first, then lower
+layer): the gap SpecMD measures between them comes from token-by-token access within a pass
+and from prefetched experts, neither of which occurs here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.plan import Plan, StepRouting
+from orchestrator.policies.base import (
+    Feedback,
+    Policy,
+    PolicyContext,
+    keep_plan,
+    order_rows,
+    ranked_plan,
+    smallest_rows,
+)
+
+
+class RankingPolicy(Policy):
+    """Keep the highest `key()`; -inf means "never wanted" (e.g. never used)."""
+
+    per_layer = False
+
+    def __init__(self, miss: str = "fetch", per_layer: bool | None = None) -> None:
+        self.miss = miss
+        if per_layer is not None:
+            self.per_layer = per_layer
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        if self.per_layer and ctx.capacity < ctx.n_layer:
+            raise ValueError(f"{self.name}: a per-layer cache needs at least one slot per layer "
+                             f"({ctx.n_layer}), the pool has {ctx.capacity}")
+        self.per_layer_capacity = ctx.capacity // ctx.n_layer if self.per_layer else None
+
+    def key(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
+        if self.miss != "cpu":  # a demand cache: it copies inside the pass, never ahead of it
+            return keep_plan(resident, prefetch=np.zeros((0, 2), dtype=np.int32), evict=order_rows(self.key(), resident))
+        return ranked_plan(self.key(), self.ctx.capacity, resident, self.per_layer)
+
+    def victims(self, allocated: np.ndarray, protected: np.ndarray, layer: int, n: int) -> np.ndarray:
+        return smallest_rows(self.key(), self._victim_scope(allocated, protected, layer), n)
+
+
+class LRU(RankingPolicy):
+    name = "lru"
+    per_layer = True
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        self.clock = 0
+        self.last_use = np.full((ctx.n_layer, ctx.n_expert), -np.inf)
+
+    def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
+        self.clock += 1
+        self.last_use[layer, counts > 0] = self.clock
+
+    def key(self) -> np.ndarray:
+        return self.last_use
+
+
+class LFU(RankingPolicy):
+    name = "lfu"
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        self.uses = np.zeros((ctx.n_layer, ctx.n_expert))
+
+    def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
+        self.uses[layer] += counts
+
+    def key(self) -> np.ndarray:
+        return np.where(self.uses > 0, self.uses, -np.inf)
+
+
+class ScoreBased(RankingPolicy):
+    """Accumulated routing weight; `decay` < 1 forgets old passes geometrically."""
+
+    name = "score"
+
+    def __init__(self, miss: str = "fetch", per_layer: bool | None = None, decay: float = 1.0) -> None:
+        super().__init__(miss, per_layer)
+        self.decay = decay
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        self.score = np.zeros((ctx.n_layer, ctx.n_expert))
+        self.seen = np.zeros((ctx.n_layer, ctx.n_expert), dtype=bool)
+
+    def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
+        self.score[layer] *= self.decay
+        self.score[layer] += weights
+        self.seen[layer] |= counts > 0
+
+    def key(self) -> np.ndarray:
+        return np.where(self.seen, self.score, -np.inf)
+
+
+class LeastStale(RankingPolicy):
+    name = "least-stale"
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        self.pass_index = 0
+        self.last_pass = np.full((ctx.n_layer, ctx.n_expert), -1)
+
+    def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
+        self.last_pass[layer, counts > 0] = self.pass_index
+
+    def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
+        if routing is not None:
+            self.pass_index += 1  # the pass is over: everything it used becomes stale
+        return super().plan(routing, resident, feedback)
+
+    def key(self) -> np.ndarray:
+        """Keep-rank (victims lowest first): the stale queue, oldest pass first and FIFO by layer
+        inside a pass, then the current queue (last_pass = this pass) by layer."""
+        n_layer = self.ctx.n_layer
+        fifo = self.last_pass * n_layer + np.arange(n_layer)[:, None]
+        return np.where(self.last_pass >= 0, fifo.astype(np.float64), -np.inf)

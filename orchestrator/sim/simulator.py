@@ -1,0 +1,375 @@
+"""Replay a routing trace through a policy under a hardware cost model.
+
+One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
+
+    drafting   γ draft tokens on the device; the copy engine runs meanwhile, serving the plan
+               the policy made after the previous pass (one PCIe link, copies back to back)
+    verify     the dense blocks and output head, then per MoE layer in order:
+                 dense part of the block
+                 device half: every needed expert that is on the device, one call per
+                   distinct expert (time by its token count)
+                 host half: the other needed experts, per (token, expert) — in parallel with
+                   the device half, plus one hidden-state round trip (sync) when non-empty
+                 layer time = max(device half, host half + sync)
+               With miss mode "fetch" the layer instead copies each missing expert on demand
+               and computes it on the device when it arrives; "greedy" splits the missing
+               experts between a copy and the host (HybriMoE), see `_greedy`.
+    plan       the policy sees the pass (on_layer, layer by layer; plan at the end)
+
+An expert counts as on the device for a layer when its slot was claimed before the pass and
+its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
+maps are set once per ubatch) or before the layer starts (visibility "layer", seed 004 Fig. 3).
+Slots are claimed when a plan is applied, so the pool never holds more than `capacity`
+experts. Experts copied inside the pass ("fetch", "greedy") count as misses.
+
+Outputs: hit rate (token-weighted share of expert computations served from the pool, and the
+share of distinct experts), host share, collision misses (resident when the pass began,
+evicted by an in-pass copy, then needed later in the same pass), bytes moved, step time,
+tokens/s (tokens = accepted drafts + 1 per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from orchestrator.plan import Plan, StepRouting
+from orchestrator.policies.base import Feedback, Policy, PolicyContext, layer_usage, order_rows
+from orchestrator.sim import profiles
+from orchestrator.sim.profiles import CostModel
+from orchestrator.sim.trace import Trace
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    hardware: str = "rtx4090"
+    model: str = "qwen3-30b-a3b"
+    draft: str | None = "qwen3-4b"   # dense draft model profile (None: free drafting)
+    quant: str = "Q4_K"
+    draft_quant: str = "Q8_0"
+    cache_ratio: float = 0.17        # expert-pool slots / all experts
+    capacity: int | None = None      # slots, overrides cache_ratio
+    visibility: str = "pass"         # "pass" | "layer"
+    context: int = 4096              # tokens of KV cache counted in the memory budget
+
+    def costs(self) -> CostModel:
+        draft = None if self.draft is None else profiles.model(self.draft)
+        return CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
+                               self.quant, self.draft_quant, self.context)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    capacity: int
+    n_steps: int
+    tokens: int
+    time_s: float
+    hit_rate: float            # token-weighted: expert computations served from the pool
+    unique_hit_rate: float     # per distinct (layer, expert) of each pass
+    cpu_share: float           # token-weighted share computed on the host
+    fetch_share: float         # token-weighted share copied inside the pass
+    collision_misses: int
+    prefetch_bytes: float
+    fetch_bytes: float
+    draft_s: float
+    stall_s: float             # time the pass waited for plan copies (wait_for_prefetch)
+    vram_needed_GB: float
+    fits_vram: bool
+    step_time: np.ndarray = field(repr=False)
+    config: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else float("nan")
+
+    @property
+    def bytes_moved(self) -> float:
+        return self.prefetch_bytes + self.fetch_bytes
+
+    def row(self) -> dict:
+        return {
+            "policy": self.policy, "tokens/s": self.tokens_per_s, "hit rate": self.hit_rate,
+            "unique hit rate": self.unique_hit_rate, "host share": self.cpu_share,
+            "fetched share": self.fetch_share, "collision misses": self.collision_misses,
+            "GB moved": self.bytes_moved / 1e9, "ms/step": 1e3 * self.time_s / max(self.n_steps, 1),
+            "fits VRAM": self.fits_vram,
+        }
+
+
+class Pool:
+    """The expert pool as the simulator sees it: claimed slots and copy completion times."""
+
+    def __init__(self, n_layer: int, n_expert: int, capacity: int, costs: CostModel) -> None:
+        self.capacity = capacity
+        self.costs = costs
+        self.allocated = np.zeros((n_layer, n_expert), dtype=bool)
+        self.ready_at = np.full((n_layer, n_expert), np.inf)
+        self.link_free_at = 0.0
+        self.n_allocated = 0
+        self.prefetch_bytes = 0.0
+        self.fetch_bytes = 0.0
+
+    def visible(self, at: float) -> np.ndarray:
+        return self.allocated & (self.ready_at <= at)
+
+    def copy(self, layer: int, expert: int, earliest: float, in_pass: bool, free: bool = False) -> float:
+        """Claim a slot and queue the copy on the link; returns its completion time."""
+        assert not self.allocated[layer, expert] and self.n_allocated < self.capacity
+        if free:
+            done = earliest
+        else:
+            done = max(earliest, self.link_free_at) + self.costs.transfer_s
+            self.link_free_at = done
+            if in_pass:
+                self.fetch_bytes += self.costs.expert_bytes
+            else:
+                self.prefetch_bytes += self.costs.expert_bytes
+        self.allocated[layer, expert] = True
+        self.ready_at[layer, expert] = done
+        self.n_allocated += 1
+        return done
+
+    def evict(self, layer: int, expert: int) -> None:
+        assert self.allocated[layer, expert]
+        self.allocated[layer, expert] = False
+        self.ready_at[layer, expert] = np.inf
+        self.n_allocated -= 1
+
+    def apply(self, plan: Plan, now: float, free: bool = False) -> None:
+        """Apply a plan (rules in `orchestrator.policies.base`): prefetch in order, taking free
+        slots first, then the eviction order; stop when no slot can be had."""
+        wanted = plan.wanted()
+        utility = plan.utility.astype(np.int64)
+        prefetch = plan.prefetch if plan.prefetch is not None else order_rows(-utility, wanted & ~self.allocated)
+        evict = plan.evict if plan.evict is not None else order_rows(utility, self.allocated & ~wanted)
+        next_victim = 0
+        added = np.zeros_like(self.allocated)
+        for layer, expert in prefetch:
+            if self.allocated[layer, expert]:
+                continue
+            if self.n_allocated >= self.capacity:
+                while next_victim < len(evict):
+                    vl, ve = evict[next_victim]
+                    next_victim += 1
+                    if self.allocated[vl, ve] and not wanted[vl, ve] and not added[vl, ve]:
+                        self.evict(vl, ve)
+                        break
+                else:
+                    return
+            self.copy(layer, expert, now, in_pass=False, free=free)
+            added[layer, expert] = True
+
+
+class Simulator:
+    def __init__(self, trace: Trace, config: SimConfig = SimConfig(), costs: CostModel | None = None) -> None:
+        self.trace = trace
+        self.config = config
+        self.costs = costs if costs is not None else config.costs()
+        n_slots = trace.n_layer * trace.n_expert
+        self.capacity = config.capacity if config.capacity is not None else int(round(config.cache_ratio * n_slots))
+        if not 0 <= self.capacity <= n_slots:
+            raise ValueError(f"capacity {self.capacity} outside [0, {n_slots}]")
+        if config.visibility not in ("pass", "layer"):
+            raise ValueError(f"visibility must be 'pass' or 'layer', got {config.visibility!r}")
+
+    def context(self, policy: Policy) -> PolicyContext:
+        t = self.trace
+        gamma = int(t.n_drafted.max()) if t.n_steps else 0
+        future = list(t.steps()) if policy.needs_future else None
+        return PolicyContext(t.n_layer, t.n_expert, t.top_k, self.capacity, gamma, future)
+
+    def warmup_feedback(self, pool: Pool) -> Feedback:
+        """What a warm-up calibration would measure before the first step: every expert on the host."""
+        c, t = self.costs, self.trace
+        tokens = (int(t.n_drafted.max()) if t.n_steps else 0) + 1
+        layer = c.dense_layer_s + tokens * t.top_k * float(c.cpu_expert_s(1))
+        return Feedback(
+            t_cpu_unit=float(c.cpu_expert_s(1)), t_gpu_unit=float(c.gpu_expert_s(tokens)),
+            t_io_unit=c.transfer_s, t_draft_token=c.draft_token_s,
+            t_layer=np.full(t.n_layer, layer), expert_bytes=c.expert_bytes,
+            free_slots=pool.capacity - pool.n_allocated,
+        )
+
+    def run(self, policy: Policy, n_steps: int | None = None) -> SimResult:
+        trace, c, cfg = self.trace, self.costs, self.config
+        if policy.miss not in ("cpu", "fetch", "greedy"):
+            raise ValueError(f"{policy.name}: unknown miss mode {policy.miss!r}")
+        if policy.uses_draft_routing and not trace.has_draft_routing:
+            raise ValueError(f"{policy.name} needs the draft's routing; the trace has none (dense draft?)")
+        n_steps = trace.n_steps if n_steps is None else min(n_steps, trace.n_steps)
+        n_layer, n_expert = trace.n_layer, trace.n_expert
+        policy.reset(self.context(policy))
+        pool = Pool(n_layer, n_expert, self.capacity, c)
+        pool.apply(policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool)), now=0.0, free=True)
+
+        acc = dict(hits=0, unique_hits=0, cpu=0, fetched=0, needed=0, unique_needed=0, collisions=0)
+        step_time = np.zeros(n_steps)
+        draft_total = stall_total = 0.0
+        now = 0.0
+        for s in range(n_steps):
+            routing = trace.step(s)
+            start = now
+            draft_s = routing.n_drafted * c.draft_token_s
+            if policy.uses_draft_routing and routing.n_drafted:
+                drafted = trace.draft_step(s)
+                for j in range(routing.n_drafted):
+                    at = start + (j + 1) * c.draft_token_s
+                    p = policy.draft_plan(drafted[: j + 1], pool.allocated.copy())
+                    if p is not None:
+                        pool.apply(p, now=at)
+            verify_start = start + draft_s
+            if policy.wait_for_prefetch and pool.link_free_at > verify_start:
+                stall_total += pool.link_free_at - verify_start
+                verify_start = pool.link_free_at
+            now, layer_time, stats = self._verify(policy, pool, routing, verify_start, acc)
+            draft_total += draft_s
+            step_time[s] = now - start
+            feedback = Feedback(
+                t_cpu_unit=stats["cpu_s"] / stats["cpu_tokens"] if stats["cpu_tokens"] else float("nan"),
+                t_gpu_unit=stats["gpu_s"] / stats["gpu_experts"] if stats["gpu_experts"] else float("nan"),
+                t_io_unit=c.transfer_s, t_draft_token=c.draft_token_s, t_layer=layer_time,
+                expert_bytes=c.expert_bytes, free_slots=pool.capacity - pool.n_allocated,
+                n_drafted=routing.n_drafted,
+            )
+            pool.apply(policy.plan(routing, pool.allocated.copy(), feedback), now=now)
+
+        tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
+        vram = c.static_bytes + self.capacity * c.expert_bytes
+        return SimResult(
+            policy=policy.name, capacity=self.capacity, n_steps=n_steps, tokens=tokens, time_s=now,
+            hit_rate=_ratio(acc["hits"], acc["needed"]), unique_hit_rate=_ratio(acc["unique_hits"], acc["unique_needed"]),
+            cpu_share=_ratio(acc["cpu"], acc["needed"]), fetch_share=_ratio(acc["fetched"], acc["needed"]),
+            collision_misses=acc["collisions"], prefetch_bytes=pool.prefetch_bytes, fetch_bytes=pool.fetch_bytes,
+            draft_s=draft_total, stall_s=stall_total, vram_needed_GB=vram / 1e9, fits_vram=vram <= c.vram_bytes,
+            step_time=step_time, config=asdict(self.config),
+        )
+
+    def _verify(self, policy: Policy, pool: Pool, routing: StepRouting, start: float, acc: dict):
+        """One verify pass from `start`; returns (end time, [n_layer] layer times, unit-cost samples)."""
+        c = self.costs
+        counts, weights = layer_usage(routing, self.trace.n_expert)
+        n_layer = counts.shape[0]
+        layer_time = np.zeros(n_layer)
+        stats = dict(cpu_s=0.0, cpu_tokens=0, gpu_s=0.0, gpu_experts=0)
+        at_start = pool.allocated.copy()
+        evicted = np.zeros_like(pool.allocated)  # evicted by an in-pass copy
+        t = start + c.fixed_pass_s
+        for layer in range(n_layer):
+            t_layer = t
+            t += c.dense_layer_s
+            n = counts[layer]
+            need = n > 0
+            policy.on_layer(layer, n, weights[layer])  # the router has run: the layer's experts are in use
+            seen_at = start if self.config.visibility == "pass" else t
+            hit = need & at_start[layer] & pool.allocated[layer] & (pool.ready_at[layer] <= seen_at)
+            miss = need & ~hit
+            acc["needed"] += int(n.sum())
+            acc["unique_needed"] += int(need.sum())
+            acc["hits"] += int(n[hit].sum())
+            acc["unique_hits"] += int(hit.sum())
+            acc["collisions"] += int((miss & evicted[layer]).sum())
+            device = float(c.gpu_expert_s(n[hit]).sum())
+            stats["gpu_s"] += device
+            stats["gpu_experts"] += int(hit.sum())
+            host_experts = np.flatnonzero(miss)
+            end_device = t + device
+            if policy.miss != "cpu" and miss.any():
+                fetcher = _InPassFetcher(self, policy, pool, layer, miss, t, evicted)
+                if policy.miss == "fetch":
+                    host_experts = np.zeros(0, dtype=np.int64)
+                    for e in np.flatnonzero(miss):
+                        end_device = fetcher.fetch(e, end_device, n[e])
+                else:
+                    host_experts, end_device = fetcher.greedy(n, end_device)
+            host = float(c.cpu_expert_s(n[host_experts]).sum())
+            stats["cpu_s"] += host
+            stats["cpu_tokens"] += int(n[host_experts].sum())
+            acc["cpu"] += int(n[host_experts].sum())
+            acc["fetched"] += int(n[miss].sum() - n[host_experts].sum())
+            end_host = t + host + (c.sync_s if len(host_experts) else 0.0)
+            t = max(end_device, end_host)
+            layer_time[layer] = t - t_layer
+        return t, layer_time, stats
+
+
+class _InPassFetcher:
+    """On-demand copies of one layer's missing experts ("fetch" and "greedy" modes).
+
+    The layer's resident experts are computed first; each missing expert is protected from
+    eviction until it has been computed. Victims come from the policy, one per copy.
+    """
+
+    def __init__(self, sim: Simulator, policy: Policy, pool: Pool, layer: int, miss: np.ndarray,
+                 t: float, evicted: np.ndarray) -> None:
+        self.costs, self.policy, self.pool, self.layer, self.t = sim.costs, policy, pool, layer, t
+        self.evicted = evicted
+        self.protected = np.zeros_like(pool.allocated)
+        self.protected[layer] = miss
+
+    def _need_slot(self) -> bool:
+        cap = self.policy.per_layer_capacity
+        if cap is not None and self.pool.allocated[self.layer].sum() >= cap:
+            return True
+        return self.pool.n_allocated >= self.pool.capacity
+
+    def _evict_one(self) -> None:
+        """Ask the policy for one victim at a time: each copy changes what the best victim is."""
+        rows = self.policy.victims(self.pool.allocated, self.protected, self.layer, 1)
+        candidates = self.pool.allocated & ~self.protected
+        if len(rows) and candidates[tuple(rows[0])]:
+            victim = (int(rows[0][0]), int(rows[0][1]))
+        else:  # the policy declined although the pool is full: the first candidate goes
+            flat = np.flatnonzero(candidates)
+            if not len(flat):
+                raise RuntimeError(f"{self.policy.name}: no slot to give to an expert of layer {self.layer}")
+            victim = divmod(int(flat[0]), candidates.shape[1])
+        self.pool.evict(*victim)
+        self.evicted[victim] = True
+
+    def arrival(self, expert: int) -> float:
+        """When `expert` would be on the device if copied now (or is, if on its way)."""
+        pool = self.pool
+        if pool.allocated[self.layer, expert]:
+            return float(pool.ready_at[self.layer, expert])
+        return max(self.t, pool.link_free_at) + self.costs.transfer_s
+
+    def fetch(self, expert: int, device_free: float, n_tokens: int) -> float:
+        """Copy (if needed) and compute `expert`; returns when the device is free again."""
+        pool = self.pool
+        if pool.allocated[self.layer, expert]:
+            arrival = float(pool.ready_at[self.layer, expert])
+        else:
+            if self._need_slot():
+                self._evict_one()
+            arrival = pool.copy(self.layer, expert, self.t, in_pass=True)
+        self.protected[self.layer, expert] = False
+        return max(device_free, arrival) + float(self.costs.gpu_expert_s(n_tokens))
+
+    def greedy(self, n: np.ndarray, device_free: float):
+        """HybriMoE's two-ended greedy: missing experts sorted by token count; the device takes
+        the hottest (after its copy), the host the coldest, whichever would finish first."""
+        c = self.costs
+        order = np.flatnonzero(self.protected[self.layer])
+        order = order[np.argsort(-n[order], kind="stable")]
+        lo, hi = 0, len(order) - 1
+        host_free = self.t
+        host = []
+        while lo <= hi:
+            hot, cold = order[lo], order[hi]
+            device_done = max(device_free, self.arrival(hot)) + float(c.gpu_expert_s(n[hot]))
+            host_done = host_free + float(c.cpu_expert_s(n[cold]))
+            if device_done <= host_done:
+                device_free = self.fetch(hot, device_free, n[hot])
+                lo += 1
+            else:
+                host.append(cold)
+                self.protected[self.layer, cold] = False
+                host_free = host_done
+                hi -= 1
+        return np.array(host, dtype=np.int64), device_free
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")

@@ -1,0 +1,121 @@
+"""Simulator step times against hand-computed tiny cases (cost model in ms, see each case)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.plan import StepRouting
+from orchestrator.policies import make_policy
+from orchestrator.policies.base import keep_plan
+from orchestrator.sim.profiles import CostModel, hardware, model
+from orchestrator.sim.simulator import Pool, SimConfig, Simulator
+from orchestrator.sim.trace import TraceWriter
+
+MS = 1e-3
+# one expert: 1000 bytes, 4000 flop per token
+#   device: 1000 B / 1e6 B/s = 1 ms per expert (flops free)
+#   host:   max(1000 B / 1e5 B/s = 10 ms, n · 4000 / 1e6 = 4n ms)
+#   copy:   1000 B / 2e5 B/s = 5 ms
+COSTS = CostModel(expert_bytes=1000, expert_flops=4000, gpu_bw=1e6, gpu_flops=1e18, cpu_bw=1e5, cpu_flops=1e6,
+                  pcie_bw=2e5, dense_layer_s=0.5 * MS, fixed_pass_s=1 * MS, draft_token_s=2 * MS, sync_s=0.25 * MS)
+
+# 2 MoE layers, 4 experts, top-2; each step verifies 2 tokens (1 draft)
+#   layer 0 uses e0 ×2, e1, e2;  layer 1 uses e2 ×2, e0, e3
+STEP = np.array([[[0, 1], [0, 2]], [[0, 2], [3, 2]]])
+
+
+def tiny_trace(n_steps=2):
+    w = TraceWriter("unused.npz", n_layer=2, n_expert=4, top_k=2)
+    for _ in range(n_steps):
+        w.append(StepRouting(selected=STEP, n_drafted=1, n_accepted=1))
+    return w.to_trace()
+
+
+def run(policy, capacity, costs=COSTS, visibility="pass", n_steps=2):
+    sim = Simulator(tiny_trace(n_steps), SimConfig(capacity=capacity, visibility=visibility), costs=costs)
+    return sim.run(make_policy(policy) if isinstance(policy, str) else policy)
+
+
+def test_static_placement_splits_layers():
+    # one layer fits (4 slots): layer 1 on the device, layer 0 on the host
+    #   draft 2 + fixed 1 + layer 0: 0.5 + 3 host experts × 10 + sync 0.25 + layer 1: 0.5 + 3 × 1 = 37.25
+    r = run("static", capacity=4)
+    np.testing.assert_allclose(r.step_time, [37.25 * MS, 37.25 * MS])
+    assert r.tokens == 4 and r.tokens_per_s == pytest.approx(4 / (74.5 * MS))
+    assert r.hit_rate == pytest.approx(4 / 8) and r.cpu_share == pytest.approx(4 / 8)
+    assert r.prefetch_bytes == 0  # the initial placement is loaded before the run
+
+
+def test_on_demand_fetch_then_hits():
+    # step 0, everything copied on demand, one link:
+    #   layer 0 starts its experts at 3.5: e0 arrives 8.5 (done 9.5), e1 13.5 (14.5), e2 18.5 (19.5)
+    #   layer 1 starts at 20: e0 25 (26), e2 30 (31), e3 35 (36)  -> 36
+    # step 1, everything resident: 2 + 1 + (0.5 + 3) + (0.5 + 3) = 10
+    r = run("lru", capacity=8)
+    np.testing.assert_allclose(r.step_time, [36 * MS, 10 * MS])
+    assert r.fetch_bytes == 6000 and r.hit_rate == pytest.approx(0.5)
+
+
+def test_hybrimoe_greedy_split():
+    # layer 0 at 3.5, missing by count e0(2) e1 e2:
+    #   e0 device 3.5+5+1 = 9.5 ≤ host e2 13.5 -> device; e1 device 14.5 > host e2 13.5 -> host;
+    #   e1 device 14.5 ≤ host 23.5 -> device; layer ends max(14.5, 13.5 + 0.25) = 14.5
+    # layer 1 at 15, missing e2(2) e0 e3:
+    #   e2 device 20+1 = 21 ≤ host e3 25 -> device; e0 device 26 > host e3 25 -> host;
+    #   e0 device 26 ≤ host 35 -> device; ends max(26, 25.25) = 26
+    r = run("hybrimoe", capacity=8, n_steps=1)
+    np.testing.assert_allclose(r.step_time, [26 * MS])
+    assert r.fetch_share == pytest.approx(6 / 8) and r.cpu_share == pytest.approx(2 / 8)
+
+
+def test_prefetch_during_drafting_and_visibility():
+    # LRU computing misses on the host: step 0 all on the host
+    #   2 + 1 + (0.5 + 30 + 0.25) · 2 = 64.5; the plan then copies the 6 used experts (30 ms)
+    slow_draft = CostModel(**{**COSTS.__dict__, "draft_token_s": 40 * MS})
+    r = run(make_policy("lru", miss="cpu"), capacity=8, costs=slow_draft)
+    # with a 40 ms draft the copies are done before step 1 verifies: 40 + 1 + 3.5 + 3.5
+    np.testing.assert_allclose(r.step_time, [102.5 * MS, 48 * MS])
+    # with a 2 ms draft nothing has arrived when the pass starts ("pass" visibility): same as step 0
+    r = run(make_policy("lru", miss="cpu"), capacity=8)
+    np.testing.assert_allclose(r.step_time, [64.5 * MS, 64.5 * MS])
+    # "layer" visibility: copies started at 64.5 land at 69.5 … 94.5; step 1's layer 0 starts its
+    # experts at 68 (none there: host, 30.25), layer 1 at 98.75 (e0, e2, e3 all landed: device)
+    #   2 + 1 + 0.5 + 30.25 + 0.5 + 3 = 37.25
+    r = run(make_policy("lru", miss="cpu"), capacity=8, visibility="layer")
+    np.testing.assert_allclose(r.step_time, [64.5 * MS, 37.25 * MS])
+
+
+def test_oracle_waits_for_its_copies():
+    # the oracle wants all 6 experts before step 0 (loaded free) and keeps them: 10 ms per step
+    r = run("oracle", capacity=8)
+    np.testing.assert_allclose(r.step_time, [10 * MS, 10 * MS])
+    assert r.hit_rate == 1.0 and r.stall_s == 0.0
+
+
+def test_pool_applies_plans_by_the_shared_rules():
+    pool = Pool(2, 4, capacity=3, costs=COSTS)
+    wanted = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=bool)
+    pool.apply(keep_plan(wanted), now=0.0)
+    assert pool.allocated.sum() == 3 and pool.link_free_at == pytest.approx(15 * MS)
+    np.testing.assert_allclose(pool.ready_at[wanted], [5 * MS, 10 * MS, 15 * MS])  # layer order
+    # new wish: (1, 3) instead of (0, 1); only unwanted experts are evicted, lowest utility first
+    pool.apply(keep_plan(np.array([[1, 0, 0, 0], [1, 0, 0, 1]], dtype=bool)), now=1.0)
+    assert pool.allocated[1, 3] and not pool.allocated[0, 1] and pool.n_allocated == 3
+    # an empty eviction list: the pool is full, nothing is copied
+    pool.apply(keep_plan(np.array([[0, 0, 1, 1], [0, 0, 0, 0]], dtype=bool), evict=np.zeros((0, 2), np.int32)), now=2.0)
+    assert not pool.allocated[0, 2:].any()
+
+
+def test_profiles_are_consistent():
+    qwen = model("qwen3-30b-a3b")
+    assert qwen.n_layer == 48 and qwen.params == pytest.approx(30.5e9, rel=0.01)
+    assert qwen.expert_bytes("Q4_K") == 4718592 * 4.5 / 8 == 2654208
+    assert model("deepseek-v2-lite").layer_index == list(range(1, 27))
+    assert model("mixtral-8x7b").params == pytest.approx(46.7e9, rel=0.01)
+    assert model("gpt-oss-20b").params == pytest.approx(20.9e9, rel=0.01)
+    assert model("qwen3-4b").params == pytest.approx(4.0e9, rel=0.02)
+    hw = hardware("rtx4090")
+    c = CostModel.build(hw, qwen, model("qwen3-4b"))
+    assert c.transfer_s == pytest.approx(2654208 / (31.5e9 * 0.8))
+    assert c.cpu_expert_s(1) == pytest.approx(2654208 / (83.2e9 * 0.65))
