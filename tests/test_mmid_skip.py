@@ -45,7 +45,9 @@ def test_tiled_path(mmid_skip, threads, seed):
     run(mmid_skip, "q4_k", threads, 0, seed, GGML_CPU_TILED_MM="1", GGML_CPU_TILED_MM_FORCE="1")
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0", "q4_k"])
+# Q8_0 is left out: upstream's CPU_REPACK set_tensor crashes on this 3D Q8_0 tensor before any
+# MUL_MAT_ID runs (in unpatched code; see the issue note)
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_k"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_repack_path(mmid_skip, qtype, threads, seed):

@@ -4,7 +4,8 @@
 //
 // Runs mul_mat_id twice on the same weights and inputs:
 //   skip: ids with random -1s;
-//   ref:  the same ids with every -1 pointed at an extra expert appended to the weights.
+//   ref:  the same ids with the -1 of slot s pointed at an extra expert N_EXPERT + s appended
+//         to the weights (one per slot, so a token still picks distinct experts).
 // Every real expert then sees exactly the same rows in the same order in both runs (same
 // row groups, same per-expert kernel choice), so the rows of real experts must be
 // byte-identical, and the -1 rows of the skip run must be exactly zero.
@@ -114,20 +115,27 @@ int main(int argc, char ** argv) {
         return 2;
     }
 
-    // weights of N_EXPERT real experts plus one extra expert that the reference run uses for -1
-    float * weights = malloc(sizeof(float) * K * R * (N_EXPERT + 1));
-    for (int64_t i = 0; i < (int64_t) K * R * (N_EXPERT + 1); i++) weights[i] = rng_f32();
+    // weights of N_EXPERT real experts plus N_USED extra experts that the reference run uses for -1
+    float * weights = malloc(sizeof(float) * K * R * (N_EXPERT + N_USED));
+    for (int64_t i = 0; i < (int64_t) K * R * (N_EXPERT + N_USED); i++) weights[i] = rng_f32();
     float * x = malloc(sizeof(float) * K * N_TOKENS);
     for (int64_t i = 0; i < (int64_t) K * N_TOKENS; i++) x[i] = rng_f32();
 
     // token 0: all -1; token 1: no -1; the rest: each slot -1 with probability 1/3
     int32_t ids_skip[N_USED * N_TOKENS], ids_ref[N_USED * N_TOKENS];
+    // like top-k routing, a token picks N_USED distinct experts (the repack kernel relies on it)
     for (int t = 0; t < N_TOKENS; t++) {
+        int32_t perm[N_EXPERT];
+        for (int e = 0; e < N_EXPERT; e++) perm[e] = e;
+        for (int e = N_EXPERT - 1; e > 0; e--) {
+            int j = (int) (rng() % (uint32_t) (e + 1));
+            int32_t tmp = perm[e]; perm[e] = perm[j]; perm[j] = tmp;
+        }
         for (int s = 0; s < N_USED; s++) {
-            int32_t id = (int32_t) (rng() % N_EXPERT);
+            int32_t id = perm[s];
             int skip = t == 0 || (t > 1 && rng() % 3 == 0);
             ids_skip[t * N_USED + s] = skip ? -1 : id;
-            ids_ref [t * N_USED + s] = skip ? N_EXPERT : id;
+            ids_ref [t * N_USED + s] = skip ? N_EXPERT + s : id;
         }
     }
 
@@ -137,7 +145,7 @@ int main(int argc, char ** argv) {
     for (size_t i = 0; i < n_out; i++) out_skip[i] = 1234.5f;  // stale data must be overwritten
     int repacked_skip = 0, repacked_ref = 0;
     run(backend, type, use_repack, N_EXPERT,     weights, x, ids_skip, out_skip, &repacked_skip);
-    run(backend, type, use_repack, N_EXPERT + 1, weights, x, ids_ref,  out_ref,  &repacked_ref);
+    run(backend, type, use_repack, N_EXPERT + N_USED, weights, x, ids_ref, out_ref, &repacked_ref);
 
     int n_bad_zero = 0, n_bad_same = 0, n_skipped = 0;
     for (int t = 0; t < N_TOKENS; t++) {
