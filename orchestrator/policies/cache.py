@@ -37,7 +37,8 @@ from orchestrator.policies.base import (
 
 
 class RankingPolicy(Policy):
-    """Keep the highest `key()`; -inf means "never wanted" (e.g. never used)."""
+    """Keep the highest `rank` (float [n_layer, n_expert], kept up to date by `on_layer`);
+    -inf means "never wanted" (e.g. never used)."""
 
     per_layer = False
 
@@ -52,9 +53,10 @@ class RankingPolicy(Policy):
             raise ValueError(f"{self.name}: a per-layer cache needs at least one slot per layer "
                              f"({ctx.n_layer}), the pool has {ctx.capacity}")
         self.per_layer_capacity = ctx.capacity // ctx.n_layer if self.per_layer else None
+        self.rank = np.full((ctx.n_layer, ctx.n_expert), -np.inf)
 
     def key(self) -> np.ndarray:
-        raise NotImplementedError
+        return self.rank
 
     def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
         if self.miss != "cpu":  # a demand cache: it copies inside the pass, never ahead of it
@@ -66,38 +68,33 @@ class RankingPolicy(Policy):
 
 
 class LRU(RankingPolicy):
+    """rank: the layer access (one per layer per pass, counted over the run) of the last use."""
+
     name = "lru"
     per_layer = True
 
     def reset(self, ctx: PolicyContext) -> None:
         super().reset(ctx)
         self.clock = 0
-        self.last_use = np.full((ctx.n_layer, ctx.n_expert), -np.inf)
 
     def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
         self.clock += 1
-        self.last_use[layer, counts > 0] = self.clock
-
-    def key(self) -> np.ndarray:
-        return self.last_use
+        self.rank[layer, counts > 0] = self.clock
 
 
 class LFU(RankingPolicy):
+    """rank: tokens that used the expert over the whole run."""
+
     name = "lfu"
 
-    def reset(self, ctx: PolicyContext) -> None:
-        super().reset(ctx)
-        self.uses = np.zeros((ctx.n_layer, ctx.n_expert))
-
     def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
-        self.uses[layer] += counts
-
-    def key(self) -> np.ndarray:
-        return np.where(self.uses > 0, self.uses, -np.inf)
+        used = counts > 0
+        row = self.rank[layer]
+        row[used] = np.where(np.isfinite(row[used]), row[used], 0.0) + counts[used]
 
 
 class ScoreBased(RankingPolicy):
-    """Accumulated routing weight; `decay` < 1 forgets old passes geometrically."""
+    """rank: accumulated routing weight; `decay` < 1 forgets old passes geometrically."""
 
     name = "score"
 
@@ -105,39 +102,29 @@ class ScoreBased(RankingPolicy):
         super().__init__(miss, per_layer)
         self.decay = decay
 
-    def reset(self, ctx: PolicyContext) -> None:
-        super().reset(ctx)
-        self.score = np.zeros((ctx.n_layer, ctx.n_expert))
-        self.seen = np.zeros((ctx.n_layer, ctx.n_expert), dtype=bool)
-
     def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
-        self.score[layer] *= self.decay
-        self.score[layer] += weights
-        self.seen[layer] |= counts > 0
-
-    def key(self) -> np.ndarray:
-        return np.where(self.seen, self.score, -np.inf)
+        row = self.rank[layer]
+        seen = np.isfinite(row)
+        row[seen] *= self.decay
+        row[seen] += weights[seen]
+        new = ~seen & (counts > 0)
+        row[new] = weights[new]
 
 
 class LeastStale(RankingPolicy):
+    """rank (victims lowest first): the stale queue, oldest pass first and FIFO by layer inside a
+    pass, then the current queue (used in this pass) by layer: pass · n_layer + layer."""
+
     name = "least-stale"
 
     def reset(self, ctx: PolicyContext) -> None:
         super().reset(ctx)
         self.pass_index = 0
-        self.last_pass = np.full((ctx.n_layer, ctx.n_expert), -1)
 
     def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
-        self.last_pass[layer, counts > 0] = self.pass_index
+        self.rank[layer, counts > 0] = self.pass_index * self.ctx.n_layer + layer
 
     def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
         if routing is not None:
             self.pass_index += 1  # the pass is over: everything it used becomes stale
         return super().plan(routing, resident, feedback)
-
-    def key(self) -> np.ndarray:
-        """Keep-rank (victims lowest first): the stale queue, oldest pass first and FIFO by layer
-        inside a pass, then the current queue (last_pass = this pass) by layer."""
-        n_layer = self.ctx.n_layer
-        fifo = self.last_pass * n_layer + np.arange(n_layer)[:, None]
-        return np.where(self.last_pass >= 0, fifo.astype(np.float64), -np.inf)

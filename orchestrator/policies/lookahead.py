@@ -32,7 +32,7 @@ class MoESpeQLookahead(LRU):
     def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
         self.predicted[...] = 0  # a new draft starts: nothing predicted yet, keep what is there
         return keep_plan(resident, prefetch=np.zeros((0, 2), dtype=np.int32),
-                         evict=order_rows(self.last_use, resident))
+                         evict=order_rows(self.rank, resident))
 
     def draft_plan(self, draft_selected: np.ndarray, resident: np.ndarray) -> Plan | None:
         n_tokens, n_layer, top_k = draft_selected.shape
@@ -43,8 +43,8 @@ class MoESpeQLookahead(LRU):
         # layer order first (the verify pass needs layer 0 first), then how often predicted
         key = np.arange(n_layer)[:, None] * (n_tokens + 1) - self.predicted
         return keep_plan(wanted, prefetch=order_rows(key, wanted & ~resident),
-                         evict=order_rows(self.last_use, resident & ~wanted))
+                         evict=order_rows(self.rank, resident & ~wanted))
 
     def key(self) -> np.ndarray:
         # in-pass victims: experts the draft did not predict go first, least recently used first
-        return np.where(self.predicted > 0, 1e18 + self.last_use, self.last_use)
+        return np.where(self.predicted > 0, 1e18 + self.rank, self.rank)

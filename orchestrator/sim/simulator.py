@@ -90,11 +90,10 @@ class SimResult:
 
     def row(self) -> dict:
         return {
-            "policy": self.policy, "tokens/s": self.tokens_per_s, "hit rate": self.hit_rate,
-            "unique hit rate": self.unique_hit_rate, "host share": self.cpu_share,
-            "fetched share": self.fetch_share, "collision misses": self.collision_misses,
-            "GB moved": self.bytes_moved / 1e9, "ms/step": 1e3 * self.time_s / max(self.n_steps, 1),
-            "fits VRAM": self.fits_vram,
+            "policy": self.policy, "tok/s": self.tokens_per_s, "hit": self.hit_rate,
+            "uniq hit": self.unique_hit_rate, "host": self.cpu_share, "fetched": self.fetch_share,
+            "collisions": self.collision_misses, "GB moved": self.bytes_moved / 1e9,
+            "ms/step": 1e3 * self.time_s / max(self.n_steps, 1), "fits": self.fits_vram,
         }
 
 
@@ -317,10 +316,10 @@ class _InPassFetcher:
     def _evict_one(self) -> None:
         """Ask the policy for one victim at a time: each copy changes what the best victim is."""
         rows = self.policy.victims(self.pool.allocated, self.protected, self.layer, 1)
-        candidates = self.pool.allocated & ~self.protected
-        if len(rows) and candidates[tuple(rows[0])]:
-            victim = (int(rows[0][0]), int(rows[0][1]))
-        else:  # the policy declined although the pool is full: the first candidate goes
+        victim = (int(rows[0][0]), int(rows[0][1])) if len(rows) else None
+        if victim is None or not self.pool.allocated[victim] or self.protected[victim]:
+            # the policy declined although a slot is needed: the first candidate goes
+            candidates = self.pool.allocated & ~self.protected
             flat = np.flatnonzero(candidates)
             if not len(flat):
                 raise RuntimeError(f"{self.policy.name}: no slot to give to an expert of layer {self.layer}")

@@ -128,12 +128,13 @@ def synthesize_trace(
     draft_fidelity: float | None = 0.9,
     seed: int = 0,
     name: str = "synthetic Qwen3-30B-A3B",
+    layer_index=None,
 ) -> Trace:
     """A speculative-decoding trace of n_steps verification steps (γ = 0: autoregressive).
 
     acceptance: per-draft-token acceptance probability α (E[tokens/step] = (1−α^{γ+1})/(1−α)).
     draft_fidelity: record an MoE draft's routing with this per-expert agreement (None: no draft
-    routing, e.g. a dense draft).
+    routing, e.g. a dense draft). layer_index: the model's block index of each MoE layer.
     """
     if not 0.0 <= acceptance <= 1.0:
         raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
@@ -144,7 +145,8 @@ def synthesize_trace(
     base = 0
     meta = {"generator": "synthetic", "routing_model": asdict(model), "gamma": gamma,
             "acceptance": acceptance, "draft_fidelity": draft_fidelity, "seed": seed}
-    writer = TraceWriter("unused.npz", model.n_layer, model.n_expert, model.top_k, model=name, meta=meta)
+    writer = TraceWriter("unused.npz", model.n_layer, model.n_expert, model.top_k, model=name,
+                         layer_index=layer_index, meta=meta)
     pos = 0
     for _ in range(n_steps):
         while base + len(latent) <= pos + gamma:

@@ -1,0 +1,310 @@
+"""`spac sim ...` and `spac trace ...`: typer sub-apps, mounted by `orchestrator.cli`.
+
+    app.add_typer(orchestrator.sim.cli.app, name="sim")
+    app.add_typer(orchestrator.sim.cli.trace_app, name="trace")
+
+Without `--trace`, the simulator replays a synthetic trace with the target model's shape
+(calibrated for Qwen3-30B-A3B; the same dynamics, uncalibrated, for the other models).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.policies import POLICIES
+from orchestrator.sim import profiles
+from orchestrator.sim.simulator import SimConfig, SimResult
+from orchestrator.sim.synthetic import QWEN3_30B_A3B, synthesize_trace
+from orchestrator.sim.trace import Trace, TraceError, read_trace
+
+app = typer.Typer(help="Trace-driven simulation of expert caching policies (tables and PNG plots).",
+                  no_args_is_help=True)
+trace_app = typer.Typer(help="Routing traces: record, synthesise, inspect.", no_args_is_help=True)
+console = Console(width=150)
+
+DEFAULT_RATIOS = "0.05,0.10,0.17,0.25,0.35,0.50"
+
+TraceOpt = typer.Option(None, "--trace", help="routing trace (.npz); default: a synthetic one")
+StepsOpt = typer.Option(200, "--steps", help="verification steps (synthetic length, or a limit on --trace)")
+SeedOpt = typer.Option(0, "--seed", help="synthetic trace seed")
+GammaOpt = typer.Option(8, "--gamma", help="synthetic draft length γ")
+AcceptOpt = typer.Option(0.75, "--acceptance", help="synthetic per-token acceptance α")
+HardwareOpt = typer.Option("rtx4090", "--hardware", help="hardware profile (spac sim profiles)")
+ModelOpt = typer.Option("qwen3-30b-a3b", "--model", help="target model profile")
+DraftOpt = typer.Option("qwen3-4b", "--draft", help="draft model profile, or 'none' for free drafting")
+RatioOpt = typer.Option(0.17, "--cache-ratio", help="expert pool / all experts")
+VisibilityOpt = typer.Option("pass", "--visibility", help="'pass' (engine: maps per ubatch) or 'layer' (paper Fig. 3)")
+PolicyOpt = typer.Option(None, "--policy", "-p", help="policy (repeatable); default: all")
+OutOpt = typer.Option(None, "--out", help="directory for PNG plots and JSON results")
+
+
+def _config(hardware, model, draft, ratio, visibility) -> SimConfig:
+    return SimConfig(hardware=hardware, model=model, draft=None if draft in (None, "none") else draft,
+                     cache_ratio=ratio, visibility=visibility)
+
+
+def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: str) -> Trace:
+    m = profiles.model(model)
+    if path is None:
+        routing = QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k)
+        label = "synthetic Qwen3-30B-A3B" if routing == QWEN3_30B_A3B else f"synthetic {m.name} (Qwen3 dynamics, uncalibrated)"
+        return synthesize_trace(steps, routing, gamma=gamma, acceptance=acceptance, seed=seed, name=label)
+    try:
+        trace = read_trace(path)
+    except TraceError as e:
+        raise typer.BadParameter(str(e), param_hint="--trace") from None
+    if (trace.n_layer, trace.n_expert, trace.top_k) != (m.n_layer, m.n_expert, m.top_k):
+        raise typer.BadParameter(
+            f"trace shape (layers {trace.n_layer}, experts {trace.n_expert}, top-k {trace.top_k}) does not match "
+            f"--model {model} ({m.n_layer}, {m.n_expert}, {m.top_k})", param_hint="--trace")
+    return trace.head(steps)
+
+
+def _names(policy: Optional[List[str]]) -> list[str]:
+    names = list(POLICIES) if not policy else policy
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        raise typer.BadParameter(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}", param_hint="--policy")
+    return names
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated ratios, got {text!r}", param_hint="--ratios") from None
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return "nan" if np.isnan(v) else f"{v:.3f}" if abs(v) < 1 else f"{v:.1f}"
+    return str(v)
+
+
+def _table(title: str, rows: list[dict]) -> Table:
+    table = Table(title=title)
+    for col in rows[0] if rows else []:
+        table.add_column(col, justify="right" if isinstance(rows[0][col], (int, float)) else "left")
+    for row in rows:
+        table.add_row(*(_fmt(v) for v in row.values()))
+    return table
+
+
+def _setting(trace: Trace, config: SimConfig) -> str:
+    return (f"{trace.model or 'trace'}: {trace.n_steps} steps, {trace.n_generated} tokens; "
+            f"{profiles.hardware(config.hardware).name}; draft {config.draft or 'free'}; "
+            f"cache {100 * config.cache_ratio:.0f}%; visibility {config.visibility}")
+
+
+def _dump(out: Optional[Path], name: str, payload) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(payload, indent=1, default=float) + "\n")
+
+
+def _write(out: Optional[Path], stem: str, payload, draw) -> None:
+    """With --out: stem.json from payload and stem.png by draw(plots_module, path)."""
+    if out is None:
+        return
+    from orchestrator.sim import plots  # matplotlib only when a plot is asked for
+
+    draw(plots, out / f"{stem}.png")
+    _dump(out, f"{stem}.json", payload)
+    console.print(f"wrote {out / stem}.png and .json")
+
+
+@app.command("profiles")
+def profiles_cmd() -> None:
+    """List hardware and model profiles (numbers and sources in orchestrator/profiles/*.toml)."""
+    hw = [{"key": h.key, "VRAM GB": h.vram_GB, "GPU GB/s": h.gpu_bw / 1e9, "PCIe GB/s": h.pcie_bw / 1e9,
+           "CPU GB/s": h.cpu_bw / 1e9, "CPU GFLOP/s": h.cpu_gflops, "name": h.name}
+          for h in profiles.hardware_profiles().values()]
+    console.print(_table("hardware (effective rates)", hw))
+    ms = [{"key": m.key, "name": m.name, "MoE layers": m.n_layer, "experts": m.n_expert, "top-k": m.top_k,
+           "params B": m.params / 1e9, "expert MB Q4_K": m.expert_bytes() / 1e6 if m.n_expert else 0.0}
+          for m in profiles.model_profiles().values()]
+    console.print(_table("models", ms))
+
+
+@app.command("run")
+def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
+            acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
+            cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
+            out: Optional[Path] = OutOpt) -> None:
+    """All policies side by side on one trace."""
+    from orchestrator.sim.experiments import compare
+
+    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    config = _config(hardware, model, draft, cache_ratio, visibility)
+    results, skipped = compare(t, config, _names(policy))
+    setting = _setting(t, config)
+    console.print(_table(setting, [r.row() for r in results]))
+    for s in skipped:
+        console.print(f"[yellow]skipped {s.policy}: {s.reason}[/yellow]")
+    _write(out, "policies", {"setting": setting, "results": [r.row() for r in results]},
+           lambda plots, path: plots.policies_bar(results, path, title=setting))
+
+
+@app.command("sweep-cache")
+def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
+                    acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt,
+                    draft: str = DraftOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
+                    ratios: str = typer.Option(DEFAULT_RATIOS, "--ratios", help="comma-separated cache ratios"),
+                    out: Optional[Path] = OutOpt) -> None:
+    """Tokens/s against the expert cache ratio (paper Fig. 5 left)."""
+    from orchestrator.sim.experiments import sweep_cache_ratio
+
+    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    rs = _ratios(ratios)
+    config = _config(hardware, model, draft, rs[0], visibility)
+    sweep = sweep_cache_ratio(t, config, _names(policy), rs)
+    rows = [{"policy": name, **{f"{100 * r:.0f}%": (np.nan if x is None else x.tokens_per_s) for r, x in zip(rs, res)}}
+            for name, res in sweep.items()]
+    console.print(_table("tokens/s vs expert cache ratio — " + _setting(t, config).split("; cache")[0], rows))
+    fits = {f"{100 * r:.0f}%": next((x.fits_vram for x in res if x is not None), None) for r, res in zip(rs, zip(*sweep.values()))}
+    console.print(f"fits in VRAM: {fits}")
+    _write(out, "cache_ratio", rows, lambda plots, path: plots.cache_ratio_lines(sweep, rs, path, title=f"{t.model} on {hardware}"))
+
+
+@app.command("sweep-k")
+def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
+                acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
+                cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt,
+                k_max: int = typer.Option(8, "--k-max", help="largest K"), out: Optional[Path] = OutOpt) -> None:
+    """MoE-SpAc tokens/s against the utility bound K (paper Fig. 5 right)."""
+    from orchestrator.sim.experiments import sweep_k
+
+    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    config = _config(hardware, model, draft, cache_ratio, visibility)
+    ks = list(range(1, k_max + 1))
+    results = sweep_k(t, config, ks)
+    rows = [{"K": k, **r.row()} for k, r in zip(ks, results)]
+    for row in rows:
+        row.pop("policy")
+    console.print(_table("MoE-SpAc vs utility bound K — " + _setting(t, config), rows))
+    _write(out, "k", rows, lambda plots, path: plots.k_line(ks, results, path, title=f"MoE-SpAc, {hardware}, cache {100 * cache_ratio:.0f}%"))
+
+
+@app.command("ablation")
+def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
+                 acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
+                 cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, out: Optional[Path] = OutOpt) -> None:
+    """MoE-SpAc with one component removed at a time (paper Table 4). "w/o SD" needs a synthetic
+    trace (it replays the same routing model decoded autoregressively)."""
+    from orchestrator.sim.experiments import ablation
+
+    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    ar = None
+    if trace is None:
+        ar = _trace(None, t.n_generated, seed, 0, acceptance, model)
+    config = _config(hardware, model, draft, cache_ratio, visibility)
+    rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
+    for row in rows:
+        row.pop("policy")
+    console.print(_table("ablation — " + _setting(t, config), rows))
+    _dump(out, "ablation.json", rows)
+
+
+@app.command("accuracy")
+def accuracy_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
+                 acceptance: float = AcceptOpt, model: str = ModelOpt,
+                 tau: int = typer.Option(1, "--tau", help="hot ⇔ utility ≥ τ (the paper's Fig. 4 uses 1)"),
+                 k_max: int = typer.Option(4, "--k-max", help="utility bound K")) -> None:
+    """Hot/cold prediction accuracy of the utility estimator (paper Fig. 4)."""
+    from orchestrator.sim.experiments import hot_cold_accuracy
+
+    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    rows = [{"layers": "all", **hot_cold_accuracy(t, k_max=k_max, tau=tau)},
+            {"layers": f"last ({t.n_layer - 1})", **hot_cold_accuracy(t, k_max=k_max, tau=tau, layer=t.n_layer - 1)}]
+    console.print(_table(f"hot/cold prediction, τ = {tau}, K = {k_max} — {t.model}", rows))
+
+
+@app.command("calibrate")
+def calibrate_cmd(tokens: int = typer.Option(1000, "--tokens"), seed: int = SeedOpt) -> None:
+    """Locality of the synthetic Qwen3-30B-A3B generator against the published numbers."""
+    from orchestrator.sim.locality import belady_hit_curve, lru_hit_curve, repeat_rates
+    from orchestrator.sim.synthetic import generate_routing
+
+    selected, _ = generate_routing(tokens, QWEN3_30B_A3B, seed=seed)
+    caps = (8, 16, 32, 64)
+    lru, belady = lru_hit_curve(selected, caps).mean(axis=1), belady_hit_curve(selected, caps).mean(axis=1)
+    rep = repeat_rates(selected, QWEN3_30B_A3B.n_expert)
+    rows = [{"statistic": f"LRU hit, {c} experts/layer", "synthetic": 100 * v, "published": p}
+            for c, v, p in zip(caps, lru, (42, 65, 81, 92))]
+    rows += [{"statistic": f"Belady hit, {c} experts/layer", "synthetic": 100 * v, "published": p}
+             for c, v, p in zip(caps, belady, (61, 78, 89, 93))]
+    rows += [{"statistic": "repeat at next token", "synthetic": 100 * rep[1].mean(), "published": 45},
+             {"statistic": "repeat within 8 tokens", "synthetic": 100 * rep[8].mean(), "published": 80}]
+    console.print(_table(f"synthetic Qwen3-30B-A3B routing, {tokens} tokens (%)", rows))
+
+
+@app.command("report")
+def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = HardwareOpt, draft: str = DraftOpt,
+               cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt,
+               out: Path = typer.Option(Path("sim-report"), "--out")) -> None:
+    """The paper's experiments on the synthetic Qwen3-30B-A3B trace: policies, cache sweep, K
+    sweep, ablation and estimator accuracy, as tables plus PNGs in --out."""
+    common = dict(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, hardware=hardware,
+                  model="qwen3-30b-a3b", draft=draft, visibility=visibility)
+    run_cmd(**common, cache_ratio=cache_ratio, policy=None, out=out)
+    sweep_cache_cmd(**common, policy=["static", "lru", "hybrimoe", "moe-spac", "oracle"], ratios=DEFAULT_RATIOS, out=out)
+    sweep_k_cmd(**common, cache_ratio=cache_ratio, k_max=8, out=out)
+    ablation_cmd(**common, cache_ratio=cache_ratio, out=out)
+    accuracy_cmd(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, model="qwen3-30b-a3b", tau=1, k_max=4)
+
+
+@trace_app.command("record")
+def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)")) -> None:
+    """Record a live run's routing. Needs the native engine (routing export), which this build
+    does not have yet: the live loop writes traces through orchestrator.sim.trace.TraceWriter,
+    calling `append(StepRouting)` once per verification step."""
+    console.print("[red]spac trace record needs the native engine's routing export, which is not available "
+                  "in this build.[/red] The live loop records with orchestrator.sim.trace.TraceWriter "
+                  "(append(StepRouting) per verification step). For a synthetic trace: spac trace synth.")
+    raise typer.Exit(code=2)
+
+
+@trace_app.command("synth")
+def synth_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"), steps: int = StepsOpt,
+              seed: int = SeedOpt, gamma: int = GammaOpt, acceptance: float = AcceptOpt, model: str = ModelOpt,
+              draft_fidelity: float = typer.Option(0.9, "--draft-fidelity", help="MoE draft routing agreement; 0: none")) -> None:
+    """Write a synthetic routing trace (Qwen3-30B-A3B dynamics on --model's shape)."""
+    m = profiles.model(model)
+    routing = QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k)
+    t = synthesize_trace(steps, routing, gamma=gamma, acceptance=acceptance, draft_fidelity=draft_fidelity or None,
+                         seed=seed, name=f"synthetic {m.name}", layer_index=m.layer_index)
+    t.save(out)
+    console.print(f"wrote {out}: {t.n_steps} steps, {t.n_generated} tokens, {t.n_layer} MoE layers")
+
+
+@trace_app.command("info")
+def info_cmd(path: Path = typer.Argument(..., help="trace file (.npz)")) -> None:
+    """Validate a trace and summarise it."""
+    try:
+        t = read_trace(path)
+    except TraceError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(code=1) from None
+    from orchestrator.sim.locality import repeat_rates
+
+    accepted = t.n_accepted.astype(float)
+    rows = [{"field": k, "value": v} for k, v in {
+        "model": t.model or "?", "MoE layers": t.n_layer, "experts": t.n_expert, "top-k": t.top_k,
+        "steps": t.n_steps, "verified tokens": t.n_rows, "generated tokens": t.n_generated,
+        "mean drafted": float(t.n_drafted.mean()) if t.n_steps else 0.0,
+        "mean accepted": float(accepted.mean()) if t.n_steps else 0.0,
+        "routing weights": t.weights is not None, "draft routing": t.has_draft_routing,
+    }.items()]
+    console.print(_table(str(path), rows))
+    if t.n_rows > 9:
+        rep = repeat_rates(t.selected, t.n_expert)
+        console.print(f"verified-token repeat rate: next {100 * rep[1].mean():.1f}%, within 8 {100 * rep[8].mean():.1f}%")
