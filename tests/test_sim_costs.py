@@ -7,7 +7,6 @@ import pytest
 
 from orchestrator.plan import StepRouting
 from orchestrator.policies import make_policy
-from orchestrator.policies.base import keep_plan
 from orchestrator.sim.profiles import CostModel, hardware, model
 from orchestrator.sim.simulator import Pool, SimConfig, Simulator
 from orchestrator.sim.trace import TraceWriter
@@ -93,18 +92,34 @@ def test_oracle_waits_for_its_copies():
     assert r.hit_rate == 1.0 and r.stall_s == 0.0
 
 
-def test_pool_applies_plans_by_the_shared_rules():
+def plan_of(utility, evict=None):
+    from orchestrator.plan import Plan
+
+    u = np.array(utility, dtype=np.uint8)
+    return Plan(utility=u, threshold=np.ones(u.shape[0], dtype=np.int32),
+                evict=None if evict is None else np.array(evict, dtype=np.int32))
+
+
+def test_pool_applies_plans_by_the_engine_rules():
     pool = Pool(2, 4, capacity=3, costs=COSTS)
-    wanted = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=bool)
-    pool.apply(keep_plan(wanted), now=0.0)
+    pool.apply(plan_of([[1, 1, 0, 0], [1, 0, 0, 0]]), now=0.0)
     assert pool.allocated.sum() == 3 and pool.link_free_at == pytest.approx(15 * MS)
-    np.testing.assert_allclose(pool.ready_at[wanted], [5 * MS, 10 * MS, 15 * MS])  # layer order
-    # new wish: (1, 3) instead of (0, 1); only unwanted experts are evicted, lowest utility first
-    pool.apply(keep_plan(np.array([[1, 0, 0, 0], [1, 0, 0, 1]], dtype=bool)), now=1.0)
+    np.testing.assert_allclose(pool.ready_at[pool.allocated], [5 * MS, 10 * MS, 15 * MS])  # layer order
+    # (1, 3) wanted instead of (0, 1): the unwanted expert gives its slot
+    pool.apply(plan_of([[1, 0, 0, 0], [1, 0, 0, 1]]), now=1.0)
     assert pool.allocated[1, 3] and not pool.allocated[0, 1] and pool.n_allocated == 3
-    # an empty eviction list: the pool is full, nothing is copied
-    pool.apply(keep_plan(np.array([[0, 0, 1, 1], [0, 0, 0, 0]], dtype=bool), evict=np.zeros((0, 2), np.int32)), now=2.0)
-    assert not pool.allocated[0, 2:].any()
+    # a utility-2 request may take the slot of a wanted utility-1 expert (the lowest (layer, expert))
+    pool.apply(plan_of([[1, 0, 2, 0], [1, 0, 0, 1]]), now=2.0)
+    assert pool.allocated[0, 2] and not pool.allocated[0, 0]
+    # an equally useful request does not: skipped
+    pool.apply(plan_of([[0, 0, 2, 1], [1, 0, 0, 1]]), now=3.0)
+    assert not pool.allocated[0, 3]
+    # an explicit eviction list goes first, wanted or not
+    pool.apply(plan_of([[0, 0, 2, 1], [1, 0, 0, 1]], evict=[[1, 3]]), now=4.0)
+    assert pool.allocated[0, 3] and not pool.allocated[1, 3]
+    # the engine's no_evict: nothing leaves, so nothing new comes
+    pool.apply(plan_of([[0, 1, 0, 0], [0, 0, 0, 0]]), now=5.0, evicts=False)
+    assert not pool.allocated[0, 1] and pool.n_allocated == 3
 
 
 def test_profiles_are_consistent():

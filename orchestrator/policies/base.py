@@ -8,11 +8,12 @@ in which order to give slots back. Whoever executes plans (the native copy engin
 
     wanted    = plan.wanted()                       utility ≥ threshold[layer]
     prefetch  = plan.prefetch, or wanted experts not on the device by utility (high first),
-                then layer, then expert id
-    evict     = plan.evict, or resident experts that are not wanted by utility (low first),
-                then layer, then expert id; only experts that are not wanted are ever given
-                back, and only when a prefetch needs their slot (an empty `evict` array:
-                never evict)
+                then layer, then expert id; served in order, each taking a free slot or
+                evicting, and skipped when no slot may be had
+    evict     = only when a prefetch needs a slot: the resident expert first in (position in
+                plan.evict, not wanted before wanted, utility, layer, expert) order; an
+                expert that is wanted and not listed goes only for a request of higher
+                utility. A policy with `evicts = False` never evicts (the engine's no_evict).
 
 Calls, per verification step (the live loop and the simulator make the same ones):
 
@@ -83,6 +84,7 @@ class Policy:
     miss = "cpu"
     uses_draft_routing = False
     needs_future = False
+    evicts = True
     wait_for_prefetch = False  # the simulator starts the pass only once the plan's copies are done
 
     def reset(self, ctx: PolicyContext) -> None:

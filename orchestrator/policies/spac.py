@@ -15,7 +15,7 @@ capacity / L, less the resident experts it keeps at the previous threshold.
 Ablations of Table 4 (constructor flags): no_utility (binary utility, K = 1), no_adabc (fixed
 boundaries θ↑ = 3, θ↓ = 1), no_balancer (τ = 2 everywhere), no_prefetch (static allocation:
 the most used experts of the first step, up to each layer's share, never updated), no_evict
-(keep experts until the pool is full: plans never evict). "w/o SD" is a trace property
+(keep experts until the pool is full: `evicts = False`, the engine's no_evict). "w/o SD" is a trace property
 (replay an autoregressive trace).
 """
 
@@ -47,6 +47,7 @@ class MoESpAc(Policy):
         self.k_max, self.lam, self.cost_decay = k_max, lam, cost_decay
         self.no_utility, self.no_adabc, self.no_balancer = no_utility, no_adabc, no_balancer
         self.no_prefetch, self.no_evict = no_prefetch, no_evict
+        self.evicts = not no_evict
 
     def reset(self, ctx: PolicyContext) -> None:
         super().reset(ctx)
@@ -80,8 +81,7 @@ class MoESpAc(Policy):
         kept = (resident & (utility >= self.threshold[:, None])).sum(axis=1)
         self.costs.vram_left = self.costs.expert_bytes * np.maximum(self.slots_per_layer - kept, 0.0)
         self.threshold = self.balancer.update(freq, utility, resident, self.costs, routing.n_drafted)
-        evict = np.zeros((0, 2), dtype=np.int32) if self.no_evict else None
-        return Plan(utility=utility.astype(np.uint8), threshold=self.threshold.copy(), evict=evict)
+        return Plan(utility=utility.astype(np.uint8), threshold=self.threshold.copy())
 
     def _measure(self, fb: Feedback) -> None:
         """Fold one step's measurements into the unit costs (EMA; NaN: no sample this step)."""

@@ -136,29 +136,37 @@ class Pool:
         self.ready_at[layer, expert] = np.inf
         self.n_allocated -= 1
 
-    def apply(self, plan: Plan, now: float, free: bool = False) -> None:
-        """Apply a plan (rules in `orchestrator.policies.base`): prefetch in order, taking free
-        slots first, then the eviction order; stop when no slot can be had."""
+    def apply(self, plan: Plan, now: float, free: bool = False, evicts: bool = True) -> None:
+        """Apply a plan the way the native copy engine does (llama-expert-pool.cpp, set_plan and
+        pick_slot): serve the prefetch queue in order; each request takes a free slot, else the
+        resident expert first in (position in plan.evict, wanted, utility, layer, expert) order,
+        but an expert the plan still wants and did not list goes only for a request of higher
+        utility; a request that gets no slot is skipped. evicts=False: the engine's no_evict."""
         wanted = plan.wanted()
         utility = plan.utility.astype(np.int64)
         prefetch = plan.prefetch if plan.prefetch is not None else order_rows(-utility, wanted & ~self.allocated)
-        evict = plan.evict if plan.evict is not None else order_rows(utility, self.allocated & ~wanted)
-        next_victim = 0
-        added = np.zeros_like(self.allocated)
+        listed = np.full(wanted.shape, len(plan.evict) if plan.evict is not None else 0, dtype=np.int64)
+        if plan.evict is not None and len(plan.evict):
+            listed[plan.evict[:, 0], plan.evict[:, 1]] = np.arange(len(plan.evict))
+        is_listed = listed < (len(plan.evict) if plan.evict is not None else 0)
+        order = np.lexsort((utility.ravel(), wanted.ravel(), listed.ravel()))  # victims first
+        n_expert = wanted.shape[1]
+        pos = 0
         for layer, expert in prefetch:
             if self.allocated[layer, expert]:
                 continue
             if self.n_allocated >= self.capacity:
-                while next_victim < len(evict):
-                    vl, ve = evict[next_victim]
-                    next_victim += 1
-                    if self.allocated[vl, ve] and not wanted[vl, ve] and not added[vl, ve]:
-                        self.evict(vl, ve)
-                        break
-                else:
-                    return
+                if not evicts:
+                    continue
+                while pos < len(order) and not self.allocated.ravel()[order[pos]]:
+                    pos += 1
+                if pos == len(order):
+                    continue
+                victim = divmod(int(order[pos]), n_expert)
+                if not is_listed[victim] and wanted[victim] and utility[victim] >= utility[layer, expert]:
+                    continue  # everything resident is at least as useful as this request
+                self.evict(*victim)
             self.copy(layer, expert, now, in_pass=False, free=free)
-            added[layer, expert] = True
 
 
 class Simulator:
@@ -201,7 +209,8 @@ class Simulator:
         n_layer, n_expert = trace.n_layer, trace.n_expert
         policy.reset(self.context(policy))
         pool = Pool(n_layer, n_expert, self.capacity, c)
-        pool.apply(policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool)), now=0.0, free=True)
+        pool.apply(policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool)), now=0.0, free=True,
+                   evicts=policy.evicts)
 
         acc = dict(hits=0, unique_hits=0, cpu=0, fetched=0, needed=0, unique_needed=0, collisions=0)
         step_time = np.zeros(n_steps)
@@ -217,7 +226,7 @@ class Simulator:
                     at = start + (j + 1) * c.draft_token_s
                     p = policy.draft_plan(drafted[: j + 1], pool.allocated.copy())
                     if p is not None:
-                        pool.apply(p, now=at)
+                        pool.apply(p, now=at, evicts=policy.evicts)
             verify_start = start + draft_s
             if policy.wait_for_prefetch and pool.link_free_at > verify_start:
                 stall_total += pool.link_free_at - verify_start
@@ -232,7 +241,7 @@ class Simulator:
                 expert_bytes=c.expert_bytes, free_slots=pool.capacity - pool.n_allocated,
                 n_drafted=routing.n_drafted,
             )
-            pool.apply(policy.plan(routing, pool.allocated.copy(), feedback), now=now)
+            pool.apply(policy.plan(routing, pool.allocated.copy(), feedback), now=now, evicts=policy.evicts)
 
         tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
         vram = c.static_bytes + self.capacity * c.expert_bytes
