@@ -1,4 +1,4 @@
-"""Write GGUF models for llama.cpp: Qwen3-MoE, Qwen3 (dense) and Qwen2-MoE (shared expert).
+"""Write GGUF models for llama.cpp: Qwen3-MoE, Qwen3 (dense), Qwen2-MoE (shared expert), OLMoE.
 
 A model is a `ModelConfig`, a `Tokenizer` and a dict of numpy arrays named as in GGUF
 (`blk.0.ffn_gate_exps.weight`, ...). Array shapes follow PyTorch (out, in): ggml's shapes
@@ -43,12 +43,17 @@ __all__ = [
     "quantize_gguf",
     "QUANT_TYPES",
     "WRITE_DTYPES",
+    "read_config",
+    "hot_experts",
+    "slice_experts",
+    "atomic_path",
 ]
 
 ARCHES: dict[str, MODEL_ARCH] = {
-    gguf.MODEL_ARCH_NAMES[a]: a for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN2MOE)
+    gguf.MODEL_ARCH_NAMES[a]: a
+    for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN2MOE, MODEL_ARCH.OLMOE)
 }
-MOE_ARCHES = {gguf.MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE], gguf.MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]}
+MOE_ARCHES = {gguf.MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN2MOE, MODEL_ARCH.OLMOE)}
 
 # Types `write_gguf` produces itself (numpy); anything else goes through `quantize_gguf`.
 WRITE_DTYPES: dict[str, GGMLQuantizationType] = {
@@ -127,6 +132,11 @@ class ModelConfig:
                 raise ValueError("qwen2moe requires output.weight (tie_embeddings=False)")
         elif self.n_ff_shexp or self.qkv_bias:
             raise ValueError(f"{self.arch} has no shared expert or Q/K/V bias")
+        if self.arch == "olmoe":
+            if self.n_head * self.head_dim != self.n_embd or self.n_head_kv != self.n_head:
+                raise ValueError("olmoe needs n_head * head_dim == n_embd and n_head_kv == n_head")
+            if self.n_ff != self.n_ff_exp or self.tie_embeddings:
+                raise ValueError("olmoe reads the expert width from n_ff (set n_ff == n_ff_exp) and needs output.weight")
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, sort_keys=True)
@@ -142,6 +152,8 @@ def tiny_config(arch: str = "qwen3moe", **overrides) -> ModelConfig:
         base.update(n_ff=128)
     if arch == "qwen2moe":
         base.update(n_ff_shexp=64, qkv_bias=True)
+    if arch == "olmoe":
+        base.update(n_head_kv=4, n_ff=32)
     base.update(overrides)
     cfg = ModelConfig(**base)
     cfg.check()
@@ -169,7 +181,10 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[L(MODEL_TENSOR.ATTN_Q, "bias")] = (q,)
             shapes[L(MODEL_TENSOR.ATTN_K, "bias")] = (kv,)
             shapes[L(MODEL_TENSOR.ATTN_V, "bias")] = (kv,)
-        if cfg.arch != "qwen2moe":
+        if cfg.arch == "olmoe":  # q/k norm over the whole projection
+            shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (q,)
+            shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (kv,)
+        elif cfg.arch != "qwen2moe":
             shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (hd,)
             shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (hd,)
         shapes[L(MODEL_TENSOR.ATTN_OUT)] = (d, q)
@@ -378,6 +393,9 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
     try:
         yield Path(tmp)
         os.replace(tmp, path)
@@ -441,6 +459,7 @@ def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: TensorSo
 
     tensors: name -> float array (PyTorch-order shape), or name -> zero-argument callable
              returning it, called once while writing (so a huge model is never held in RAM).
+             A uint8 array is taken as data already in the tensor's storage type (raw blocks).
     dtype:   one of WRITE_DTYPES; 1-D tensors are always F32. Other types: `quantize_gguf`.
     metadata: extra string key/values (e.g. {"spac.training_command": ...}).
     """
@@ -466,12 +485,19 @@ def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: TensorSo
         w.write_ti_data_to_file()
         for name, shape in shapes.items():
             src = tensors[name]
-            arr = np.asarray(src() if callable(src) else src, dtype=np.float32)
-            if arr.shape != shape:
-                raise ValueError(f"{name}: lazy tensor has shape {arr.shape}, expected {shape}")
-            if not np.all(np.isfinite(arr)):
-                raise ValueError(f"{name}: contains NaN or Inf")
-            w.write_tensor_data(gguf.quants.quantize(arr, qtypes[name]))
+            arr = np.asarray(src() if callable(src) else src)
+            if arr.dtype == np.uint8:  # already in the storage type's blocks (e.g. synthetic Q4_0)
+                want = gguf.quant_shape_to_byte_shape(shape, qtypes[name])
+                if arr.shape != want:
+                    raise ValueError(f"{name}: raw {qtypes[name].name} data has shape {arr.shape}, expected {want}")
+                w.write_tensor_data(arr)
+            else:
+                arr = arr.astype(np.float32, copy=False)
+                if arr.shape != shape:
+                    raise ValueError(f"{name}: lazy tensor has shape {arr.shape}, expected {shape}")
+                if not np.all(np.isfinite(arr)):
+                    raise ValueError(f"{name}: contains NaN or Inf")
+                w.write_tensor_data(gguf.quants.quantize(arr, qtypes[name]))
             if progress:
                 progress(name)
         w.close()
@@ -564,3 +590,86 @@ def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
     out.check()
     return out
 
+
+
+# --- hot-expert self-draft (SpecMoE): keep the N most-used experts of every layer ---------------
+
+_EXPERT_TENSORS = (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP,
+                   MODEL_TENSOR.FFN_GATE_UP_EXP, MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_EXP_PROBS_B)
+
+
+def hot_experts(profile: np.ndarray, n_keep: int) -> list[list[int]]:
+    """Per layer, the ids (ascending) of the `n_keep` most-used experts of a usage profile
+    int [n_layer, n_expert] (ties: lower id first)."""
+    profile = np.asarray(profile)
+    if profile.ndim != 2:
+        raise ValueError(f"routing profile must be [n_layer, n_expert], got shape {profile.shape}")
+    if not 0 < n_keep <= profile.shape[1]:
+        raise ValueError(f"n_keep must be in 1..{profile.shape[1]}, got {n_keep}")
+    return [sorted(np.argsort(-row, kind="stable")[:n_keep].tolist()) for row in profile]
+
+
+def _copy_metadata(r: gguf.GGUFReader, w: gguf.GGUFWriter, overrides: Mapping[str, int]) -> None:
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.ALIGNMENT):
+            continue
+        if name in overrides:
+            w.add_key_value(name, overrides[name], f.types[0])
+        elif f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(name, f.contents(), f.types[0])
+
+
+def slice_experts(src: str | os.PathLike[str], dst: str | os.PathLike[str], keep: list[list[int]],
+                  progress: Callable[[str, int], None] | None = None) -> Path:
+    """Copy a MoE GGUF keeping, in layer i, only experts keep[i] (router rows sliced to match).
+
+    Works on any quantization (an expert's rows are contiguous in the file) and streams one
+    tensor at a time. Every layer must keep the same number of experts (one expert_count key)."""
+    r = gguf.GGUFReader(src)
+    arch = r.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    k_count = gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch)
+    k_used = gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)
+    if r.get_field(k_count) is None:
+        raise ValueError(f"{Path(src).name} is not a MoE model (no {k_count})")
+    n_expert = int(r.get_field(k_count).contents())
+    n_keep = {len(k) for k in keep}
+    if len(n_keep) != 1:
+        raise ValueError("every layer must keep the same number of experts")
+    n_keep = n_keep.pop()
+    for i, ids in enumerate(keep):
+        if len(set(ids)) != len(ids) or not all(0 <= e < n_expert for e in ids):
+            raise ValueError(f"layer {i}: expert ids must be distinct and in 0..{n_expert - 1}")
+    expert_names = {
+        f"{gguf.TENSOR_NAMES[t].format(bid=i)}.{s}": i
+        for t in _EXPERT_TENSORS for i in range(len(keep)) for s in ("weight", "bias", "scale")}
+    used = int(r.get_field(k_used).contents())
+    plan = []
+    for t in r.tensors:
+        data = t.data
+        layer = expert_names.get(t.name)
+        if layer is not None and data.shape[0] == n_expert:
+            plan.append((t, keep[layer]))
+        elif layer is not None:
+            raise ValueError(f"{t.name}: leading dimension {data.shape[0]} != expert_count {n_expert}")
+        else:
+            plan.append((t, None))
+    if all(ids is None for _, ids in plan):
+        raise ValueError(f"{Path(src).name} has no expert tensors")
+    with atomic_path(dst) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        _copy_metadata(r, w, {k_count: n_keep, k_used: min(used, n_keep)})
+        for t, ids in plan:
+            shape = (n_keep, *t.data.shape[1:]) if ids is not None else t.data.shape
+            nbytes = int(t.n_bytes // t.data.shape[0] * shape[0])
+            w.add_tensor_info(t.name, shape, t.data.dtype, nbytes, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t, ids in plan:
+            w.write_tensor_data(np.ascontiguousarray(t.data[ids] if ids is not None else t.data))
+            if progress:
+                progress(t.name, int(t.n_bytes))
+        w.close()
+    return Path(dst)

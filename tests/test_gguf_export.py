@@ -134,13 +134,13 @@ def test_script(tmp_path):
 @needs_llama
 @pytest.mark.parametrize("arch", sorted(ARCHES))
 def test_llama_cpp_loads_and_quantizes(tmp_path, arch):
-    import llama_cpp
+    from orchestrator.models import load_llama
 
     src = make_random_model(tmp_path / "m.gguf", arch, seed=0)
     q = quantize_gguf(src, tmp_path / "m-q4_0.gguf", "q4_0")
     assert q.stat().st_size < src.stat().st_size
     for p in (src, q):
-        llm = llama_cpp.Llama(model_path=str(p), n_ctx=64, logits_all=True, verbose=False)
+        llm = load_llama(p, n_ctx=64)
         toks = llm.tokenize(b"def forward(self, x):\n    return x")
         assert llm.detokenize(toks) == b"def forward(self, x):\n    return x"
         llm.eval(toks)

@@ -1,0 +1,217 @@
+"""Fidelity, routing and draft-acceptance report for the models of scripts/train_tiny_moe.py.
+
+    python scripts/tiny_model_report.py --run runs/tiny --gguf runs/tiny/gguf
+
+1. Fidelity: llama.cpp logits (F32 GGUF, F32 KV cache) vs PyTorch on held-out windows.
+2. Routing (PyTorch, held-out windows): per-layer usage entropy, dead experts, and
+   P(an expert chosen at token t is chosen again within t+1..t+w) vs a uniform random
+   router and vs the same routing shuffled in time. Also writes a routing profile
+   (usage counts on training text) for the hot-expert draft.
+3. Greedy acceptance at gamma = 4 and 8 of each draft GGUF on held-out prompts: the target's
+   greedy continuation is the reference; a step drafts gamma tokens from the accepted prefix,
+   accepts the longest matching prefix, then takes the target's token.
+Writes <run>/report.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_tiny_moe import LM, eval_windows  # noqa: E402
+
+from orchestrator import models  # noqa: E402
+
+
+def load_torch(path: Path) -> LM:
+    ck = torch.load(path, weights_only=True, map_location="cpu")
+    m = LM(ck["config"])
+    m.load_state_dict(ck["model"])
+    return m.eval()
+
+
+def load_llama(path: Path, n_ctx: int = 512, f32_kv: bool = True):
+    return models.load_llama(path, n_ctx=n_ctx, f32_kv=f32_kv, n_threads=2)
+
+
+def fidelity(model: LM, gguf_path: Path, windows: torch.Tensor) -> dict:
+    llm = load_llama(gguf_path)
+    max_rel, fro_rel, argmax_agree = [], [], []
+    for w in windows:
+        toks = w.tolist()
+        with torch.no_grad():
+            ref = model(w[None])[0][0].double().numpy()
+        llm.reset()
+        llm.eval(toks)
+        got = np.asarray(llm.scores[: len(toks)], dtype=np.float64)
+        d = np.abs(got - ref)
+        max_rel.append(float(d.max() / np.abs(ref).max()))
+        fro_rel.append(float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
+        argmax_agree.append(float((got.argmax(-1) == ref.argmax(-1)).mean()))
+    del llm
+    return dict(gguf=gguf_path.name, windows=len(windows), tokens_per_window=int(windows.shape[1]),
+                max_abs_diff_over_max_abs_logit=max(max_rel), rel_frobenius=max(fro_rel),
+                argmax_agreement=float(np.mean(argmax_agree)))
+
+
+@torch.no_grad()
+def routing_of(model: LM, windows: torch.Tensor) -> np.ndarray:
+    """int64 [n_windows, T, n_layer, k]"""
+    out = [model(windows[i:i + 16], with_routing=True)[2] for i in range(0, len(windows), 16)]
+    return torch.cat(out).numpy()
+
+
+def reuse_probability(sel: np.ndarray, n_expert: int, w: int) -> float:
+    """P(expert chosen at t is chosen again in t+1..t+w), sel: [n_windows, T, k] for one layer."""
+    n, T, _ = sel.shape
+    onehot = np.zeros((n, T, n_expert), dtype=bool)
+    np.put_along_axis(onehot, sel, True, axis=2)
+    future = np.zeros((n, T - w, n_expert), dtype=bool)
+    for s in range(1, w + 1):
+        future |= onehot[:, s:T - w + s]
+    now = onehot[:, : T - w]
+    return float((now & future).sum() / now.sum())
+
+
+def routing_report(model: LM, windows: torch.Tensor, seed: int = 0) -> dict:
+    c = model.c
+    E, k = c["n_expert"], c["n_expert_used"]
+    sel = routing_of(model, windows)  # [n, T, L, k]
+    rng = np.random.default_rng(seed)
+    shuffled = sel[:, rng.permutation(sel.shape[1])]
+    layers = []
+    for layer in range(c["n_layer"]):
+        counts = np.bincount(sel[:, :, layer].ravel(), minlength=E)
+        p = counts / counts.sum()
+        ent = float(-(p[p > 0] * np.log(p[p > 0])).sum() / math.log(E))
+        row = dict(layer=layer, usage_entropy_norm=ent, dead_experts=int((counts == 0).sum()),
+                   max_share=float(p.max()), min_share=float(p.min()))
+        for w in (1, 8):
+            row[f"reuse_{w}"] = reuse_probability(sel[:, :, layer], E, w)
+            row[f"reuse_{w}_shuffled"] = reuse_probability(shuffled[:, :, layer], E, w)
+            row[f"reuse_{w}_random_router"] = 1 - (1 - k / E) ** w
+        layers.append(row)
+    return dict(tokens=int(sel.shape[0] * sel.shape[1]), layers=layers)
+
+
+@torch.no_grad()
+def routing_profile(model: LM, windows: torch.Tensor) -> np.ndarray:
+    sel = routing_of(model, windows)
+    c = model.c
+    prof = np.zeros((c["n_layer"], c["n_expert"]), dtype=np.int64)
+    for layer in range(c["n_layer"]):
+        prof[layer] = np.bincount(sel[:, :, layer].ravel(), minlength=c["n_expert"])
+    return prof
+
+
+def argmax_last(llm) -> int:
+    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+
+
+def greedy_continuation(target, prompt: list[int], n: int) -> list[int]:
+    target.reset()
+    target.eval(prompt)
+    out = []
+    for _ in range(n):
+        out.append(argmax_last(target))
+        target.eval([out[-1]])
+    return out
+
+
+def acceptance(draft, prompts: list[list[int]], conts: list[list[int]], gamma: int) -> dict:
+    drafted = accepted = steps = produced = 0
+    for prompt, cont in zip(prompts, conts):
+        draft.reset()
+        draft.eval(prompt)
+        pos = 0
+        while pos < len(cont):
+            base, g = draft.n_tokens, min(gamma, len(cont) - pos)
+            proposal = []
+            for _ in range(g):
+                proposal.append(argmax_last(draft))
+                draft.eval([proposal[-1]])
+            a = 0
+            while a < g and proposal[a] == cont[pos + a]:
+                a += 1
+            drafted, accepted, steps = drafted + g, accepted + a, steps + 1
+            draft.n_tokens = base  # roll back; eval() drops the KV cells past n_tokens
+            draft.eval(cont[pos:pos + a + 1])
+            produced += len(cont[pos:pos + a + 1])
+            pos += a + 1
+    return dict(gamma=gamma, acceptance=accepted / drafted, tokens_per_verify=produced / steps,
+                drafted=drafted, accepted=accepted, verify_steps=steps)
+
+
+def token_latency(llm, prompt: list[int], n: int = 32) -> float:
+    llm.reset()
+    llm.eval(prompt)
+    t = time.perf_counter()
+    for _ in range(n):
+        llm.eval([argmax_last(llm)])
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", type=Path, default=Path("runs/tiny"))
+    ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--cont-len", type=int, default=32)
+    ap.add_argument("--drafts", nargs="*", default=None, help="draft GGUF names in --gguf (default: all)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    gdir = args.gguf or args.run / "gguf"
+    z = np.load(next(args.run.glob("tokens-*.npz")))
+    val, train = z["val"], z["train"]
+    target = load_torch(args.run / "target.pt")
+    report: dict = {}
+
+    report["fidelity"] = [fidelity(target, gdir / name, eval_windows(val, 8, 128)) for name in
+                          ("target-f32.gguf", "target-f16.gguf") if (gdir / name).exists()]
+    print(json.dumps(report["fidelity"], indent=1), flush=True)
+
+    report["routing"] = routing_report(target, eval_windows(val, 128, 256))
+    for row in report["routing"]["layers"]:
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    prof = routing_profile(target, eval_windows(train, 256, 256))
+    np.save(args.run / "routing_profile.npy", prof)
+
+    starts = np.linspace(0, len(val) - args.prompt_len - 1, args.prompts).astype(int)
+    prompts = [val[s:s + args.prompt_len].tolist() for s in starts]
+    n_ctx = args.prompt_len + args.cont_len + 16
+    tgt = load_llama(gdir / "target-f16.gguf", n_ctx=n_ctx, f32_kv=False)
+    conts = [greedy_continuation(tgt, p, args.cont_len) for p in prompts]
+    report["target_token_latency_ms"] = 1e3 * token_latency(tgt, prompts[0])
+    tgt.reset()
+    tgt.eval(prompts[0])
+    t = time.perf_counter()
+    for _ in range(8):
+        tgt.n_tokens = len(prompts[0])
+        tgt.eval(conts[0][:5])
+    report["target_verify5_latency_ms"] = 1e3 * (time.perf_counter() - t) / 8
+    del tgt
+    names = args.drafts or sorted(p.name for p in gdir.glob("*.gguf") if p.name not in (
+        "target-f32.gguf", "target-f16.gguf", "draft-dense-f32.gguf"))
+    report["drafts"] = {}
+    for name in names:
+        d = load_llama(gdir / name, n_ctx=n_ctx, f32_kv=False)
+        res = dict(size_mb=(gdir / name).stat().st_size / 1e6, token_latency_ms=1e3 * token_latency(d, prompts[0]),
+                   by_gamma=[acceptance(d, prompts, conts, g) for g in (4, 8)])
+        del d
+        report["drafts"][name] = res
+        print(name, json.dumps(res), flush=True)
+    (args.run / "report.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Draft-making tools (quantized and hot-expert self-drafts) and synthetic scale models."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from orchestrator.gguf_export import (
+    hot_experts,
+    make_random_model,
+    read_config,
+    slice_experts,
+    tensor_shapes,
+    tiny_config,
+    write_gguf,
+    byte_level_bpe_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_synthetic_moe import PRESETS, synthetic_tensors  # noqa: E402
+
+needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not built")
+TEXT = b"def forward(self, x):\n    return self.down(x)"
+
+
+def logits(path: Path) -> np.ndarray:
+    from orchestrator.models import load_llama
+
+    llm = load_llama(path, n_ctx=64)
+    toks = llm.tokenize(TEXT)
+    llm.eval(toks)
+    return np.asarray(llm.scores[: len(toks)]).copy()
+
+
+def tensor(path: Path, name: str) -> np.ndarray:
+    return next(t for t in gguf.GGUFReader(path).tensors if t.name == name).data
+
+
+def test_hot_experts_picks_most_used():
+    prof = np.array([[5, 1, 9, 9, 0], [0, 0, 0, 1, 2]])
+    assert hot_experts(prof, 2) == [[2, 3], [3, 4]]
+    with pytest.raises(ValueError, match="n_keep"):
+        hot_experts(prof, 6)
+    with pytest.raises(ValueError, match="n_layer, n_expert"):
+        hot_experts(prof[0], 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "olmoe"])
+@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+def test_slice_keeps_router_rows_and_expert_blocks(tmp_path, arch, dtype):
+    src = make_random_model(tmp_path / "m.gguf", arch, dtype=dtype)
+    keep = [[1, 4, 6], [0, 2, 7]]
+    dst = slice_experts(src, tmp_path / "hot.gguf", keep)
+    cfg = read_config(dst)
+    assert (cfg.n_expert, cfg.n_expert_used) == (3, 2)
+    for i, ids in enumerate(keep):
+        for t in ("ffn_gate_inp", "ffn_up_exps", "ffn_down_exps"):
+            name = f"blk.{i}.{t}.weight"
+            np.testing.assert_array_equal(tensor(dst, name), tensor(src, name)[ids])
+    assert tensor_shapes(cfg).keys() == {t.name for t in gguf.GGUFReader(dst).tensors}
+
+
+@needs_llama
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_keep_all_experts_is_bit_identical(tmp_path, arch):
+    src = make_random_model(tmp_path / "m.gguf", arch)
+    dst = slice_experts(src, tmp_path / "all.gguf", [list(range(8))] * 2)
+    np.testing.assert_array_equal(logits(src), logits(dst))
+    hot = slice_experts(src, tmp_path / "hot.gguf", [[0, 1, 2, 3]] * 2)
+    assert np.isfinite(logits(hot)).all()
+
+
+def test_slice_bad_input(tmp_path):
+    dense = make_random_model(tmp_path / "dense.gguf", "qwen3")
+    with pytest.raises(ValueError, match="not a MoE model"):
+        slice_experts(dense, tmp_path / "x.gguf", [[0]] * 2)
+    moe = make_random_model(tmp_path / "moe.gguf", "qwen3moe")
+    with pytest.raises(ValueError, match="same number"):
+        slice_experts(moe, tmp_path / "x.gguf", [[0, 1], [0]])
+    with pytest.raises(ValueError, match="distinct"):
+        slice_experts(moe, tmp_path / "x.gguf", [[0, 8], [0, 1]])
+    assert not (tmp_path / "x.gguf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+def test_make_draft_script(tmp_path):
+    src = make_random_model(tmp_path / "m.gguf", "qwen3moe", dtype="q8_0")
+    prof = tmp_path / "p.npz"
+    np.savez(prof, selected=np.random.default_rng(0).integers(0, 8, (100, 2, 2)))
+    script = [sys.executable, str(ROOT / "scripts" / "make_draft.py")]
+    subprocess.run([*script, "hot-experts", str(src), str(tmp_path / "h.gguf"), "--profile", str(prof),
+                    "--keep", "4"], check=True, capture_output=True)
+    assert read_config(tmp_path / "h.gguf").n_expert == 4
+    np.save(tmp_path / "bad.npy", np.ones((3, 8)))
+    bad = subprocess.run([*script, "hot-experts", str(src), str(tmp_path / "b.gguf"), "--profile",
+                          str(tmp_path / "bad.npy"), "--keep", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "profile shape" in bad.stderr
+    bad = subprocess.run([*script, "quantized", str(src), str(tmp_path / "b.gguf"), "--type", "q3_zz"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown quant type" in bad.stderr
+    assert not (tmp_path / "b.gguf").exists()
+
+
+def test_presets_have_the_real_sizes():
+    def n_params(cfg):
+        return sum(int(np.prod(s)) for s in tensor_shapes(cfg).values())
+
+    assert 6.8e9 < n_params(PRESETS["olmoe-1b-7b"]) < 7.0e9
+    assert 30.0e9 < n_params(PRESETS["qwen3-30b-a3b"]) < 31.0e9
+
+
+@needs_llama
+def test_synthetic_q4_0_loads_and_generates(tmp_path):
+    cfg = replace(tiny_config("olmoe"), n_embd=128, head_dim=32, n_ff=64, n_ff_exp=64)
+    path = write_gguf(tmp_path / "s.gguf", cfg, synthetic_tensors(cfg, seed=0),
+                      byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
+    assert {t.tensor_type for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1} == {
+        gguf.GGMLQuantizationType.Q4_0}
+    assert np.isfinite(logits(path)).all()
