@@ -1,0 +1,619 @@
+"""The speculative loop: draft γ tokens, verify γ+1 in one target pass, accept, trim, plan.
+
+One verification step (seed 004 §2–3):
+
+    draft    γ single-token decodes of the draft context (the first one also catches the draft
+             up on the tokens it has not seen yet), each sampled from the draft's distribution q
+    verify   one target decode of [last, d1..dγ] with logits for every position
+    accept   greedy: the longest prefix where the target's argmax equals the draft, then the
+             target's own token; sampling: Leviathan et al. rejection sampling (accept d_i with
+             probability min(1, p/q), else sample max(0, p − q)), so the output follows the
+             target's distribution exactly; temperature, top-k and top-p shape p and q alike
+    trim     both KV caches drop the rejected positions (llama_memory_seq_rm)
+    plan     with an engine: the routing of the verify pass (all γ+1 positions: each of them was
+             routed and computed) → a `Policy` (default: MoE-SpAc, `orchestrator.policies.spac`:
+             utility estimator and workload balancer) → `ExpertEngine.set_plan`, before the
+             next drafting starts so that the copy engine prefetches while the draft drafts
+
+Invariant between steps: `tokens` is the whole sequence (prompt and output), the target's KV
+cache holds tokens[:-1] (the last token is the first one of the next verify batch), the draft's
+KV cache holds a prefix of tokens. A new request reuses the longest common prefix of the cached
+sequence (chat turns re-render the whole conversation and pay only for the new part).
+
+Greedy decoding is token-identical to target-only greedy decoding: the verify pass computes the
+same logits a single-token decode would, and the accepted tokens are the target's argmax.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp as L
+from orchestrator.llm import Context, Model, ModelError
+from orchestrator.metrics import RunMetrics, RunRecorder
+from orchestrator.plan import Plan, StepRouting
+from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
+from orchestrator.policies.spac import MoESpAc
+
+
+class VocabMismatchError(ModelError):
+    """Target and draft do not share one vocabulary."""
+
+
+# ----------------------------------------------------------------------------- sampling
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature ≤ 0: greedy. top_k ≤ 0 and top_p ≥ 1: off. Applied alike to draft and target."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The sampling distribution (float64 [n_vocab], sums to 1) of one row of logits:
+    temperature, then top-k (ties at the k-th value kept), then top-p (smallest prefix of the
+    sorted distribution whose mass reaches top_p), renormalised."""
+    x = np.array(logits, dtype=np.float64)
+    if params.temperature != 1.0:
+        x /= params.temperature
+    k = params.top_k
+    if 0 < k < x.size:
+        kth = np.partition(x, x.size - k)[x.size - k]
+        x[x < kth] = -np.inf
+    x -= x.max()
+    np.exp(x, out=x)
+    x /= x.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-x, kind="stable")
+        mass = np.cumsum(x[order])
+        n_keep = int(np.searchsorted(mass, params.top_p)) + 1
+        x[order[n_keep:]] = 0.0
+        x /= x.sum()
+    return x
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a (possibly unnormalised) non-negative distribution, by inverse CDF."""
+    c = np.cumsum(p)
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    return min(i, len(p) - 1)
+
+
+def verify_greedy(drafts: Sequence[int], logits: np.ndarray) -> tuple[int, int]:
+    """(accepted drafts, the target's next token) from the verify logits [len(drafts)+1, V]."""
+    best = logits.argmax(axis=1)
+    n = len(drafts)
+    miss = np.flatnonzero(best[:n] != np.asarray(drafts, dtype=best.dtype))
+    a = int(miss[0]) if miss.size else n
+    return a, int(best[a])
+
+
+def verify_sampled(drafts: Sequence[int], q: Sequence[np.ndarray], logits: np.ndarray,
+                   params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+    """Leviathan et al. (2023) rejection sampling: (accepted drafts, next token).
+
+    q[i]: the draft distribution d_i was sampled from; logits: target rows [len(drafts)+1, V].
+    The returned tokens are distributed exactly as sampling the target alone would give."""
+    for i, d in enumerate(drafts):
+        p = distribution(logits[i], params)
+        if rng.random() * q[i][d] < p[d]:  # accept with probability min(1, p/q)
+            continue
+        residual = np.maximum(p - q[i], 0.0)
+        return i, sample(residual if residual.sum() > 0 else p, rng)
+    return len(drafts), sample(distribution(logits[len(drafts)], params), rng)
+
+
+# ----------------------------------------------------------------------------- vocabulary, text
+
+def check_vocab(target: Model, draft: Model) -> None:
+    """Raise VocabMismatchError naming the first token id whose text differs."""
+    n = min(target.n_vocab, draft.n_vocab)
+    for i in range(n):
+        a, b = target.token_text(i), draft.token_text(i)
+        if a != b:
+            raise VocabMismatchError(
+                f"draft vocabulary differs from the target's at token {i}: "
+                f"target {a!r}, draft {b!r} ({target.path.name} vs {draft.path.name})")
+    if target.n_vocab != draft.n_vocab:
+        longer, name = (target, "target") if target.n_vocab > draft.n_vocab else (draft, "draft")
+        raise VocabMismatchError(
+            f"draft vocabulary differs from the target's at token {n}: only the {name} has it "
+            f"({longer.token_text(n)!r}); n_vocab target {target.n_vocab}, draft {draft.n_vocab}")
+
+
+def tokenize_special(model: Model, text: str, add_special: bool) -> list[int]:
+    """Tokenize with special tokens parsed (chat templates write them as text). A token holds
+    at least one byte, so len(text) + a few added specials always fit the buffer."""
+    data = text.encode()
+    buf = (L.llama_token * (len(data) + 8))()
+    n = L.llama_tokenize(model.vocab, data, len(data), buf, len(buf), add_special, True)
+    return list(buf[:n])
+
+
+def engine_built() -> bool:
+    """Whether the installed llama.cpp carries spac's native engine."""
+    from orchestrator.native import NativeError, lib
+
+    try:
+        lib()
+        return True
+    except NativeError:
+        return False
+
+
+class ChatTemplate:
+    """The model's Jinja chat template (GGUF `tokenizer.chat_template`), rendered like HF does."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        from jinja2 import BaseLoader
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(loader=BaseLoader(), trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        self.source = source
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self._template = env.from_string(source)
+
+    @classmethod
+    def from_model(cls, model: Model) -> ChatTemplate | None:
+        ptr = L.llama_model_chat_template(model.ptr, None)
+        if not ptr:
+            return None
+        source = ctypes.string_at(ptr).decode(errors="replace") if not isinstance(ptr, bytes) else ptr.decode()
+        bos, eos = L.llama_vocab_bos(model.vocab), L.llama_vocab_eos(model.vocab)
+        return cls(source, model.token_text(bos) if bos >= 0 else "", model.token_text(eos) if eos >= 0 else "")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+class TextStream:
+    """Bytes of token pieces → text, holding back what could still become a stop string."""
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self.stop = [s for s in stop if s]
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""
+        self.text = ""  # everything released so far
+        self.stopped = False
+
+    def push(self, piece: bytes) -> str:
+        """Add one token's bytes; return the text that is now final ("" after a stop)."""
+        if self.stopped:
+            return ""
+        held = self._held + self._decoder.decode(piece)
+        if self.stop:
+            hits = [i for i in (held.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self._held = ""
+                return self._release(held[:min(hits)])
+            keep = max((_overlap(held, s) for s in self.stop), default=0)
+            self._held = held[len(held) - keep:] if keep else ""
+            return self._release(held[:len(held) - keep])
+        self._held = ""
+        return self._release(held)
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        rest = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return self._release(rest)
+
+    def _release(self, s: str) -> str:
+        self.text += s
+        return s
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of stop."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+# ----------------------------------------------------------------------------- policy
+
+@dataclass(frozen=True)
+class Ablations:
+    """Paper Table 4 switches."""
+
+    no_utility: bool = False   # binary utility, K = 1
+    no_adabc: bool = False     # fixed θ↑ = 3, θ↓ = 1
+    no_balancer: bool = False  # fixed τ = 2
+    no_prefetch: bool = False  # static expert allocation: one plan, never updated
+    no_evict: bool = False     # keep experts until the pool is full
+    no_sd: bool = False        # autoregressive decoding on the same engine
+
+    def names(self) -> list[str]:
+        return [k for k, v in self.__dict__.items() if v]
+
+
+def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Policy:
+    """The default policy, MoE-SpAc (estimator + balancer), with the ablation switches."""
+    return MoESpAc(k_max=k_max, lam=lam, no_utility=ablations.no_utility, no_adabc=ablations.no_adabc,
+                   no_balancer=ablations.no_balancer, no_prefetch=ablations.no_prefetch,
+                   no_evict=ablations.no_evict)
+
+
+# ----------------------------------------------------------------------------- session
+
+@dataclass
+class SessionConfig:
+    model: str | Path
+    draft: str | Path | None = None
+    gamma: int = 8
+    k_max: int = 4
+    lam: float = 0.1
+    n_ctx: int = 0               # 0: the target's training context (GGUF context_length)
+    n_batch: int = 512
+    n_threads: int = 2
+    n_gpu_layers: int = 0
+    n_gpu_layers_draft: int = 0
+    # llama.cpp's extra CPU buffer types (weight repacking, AMX) stay off: the expert pool and the
+    # host experts then run the same kernels, and the AMX path crashes on small quantized
+    # matrices (seen on the tiny Q4_0/Q8_0 models, upstream 0c1e570, a Xeon with AMX)
+    use_extra_bufts: bool = False
+    engine: bool | None = None   # None: on when the native engine is built, else off
+    device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
+    budget_bytes: int = 0
+    budget_ratio: float = 0.25
+    ablations: Ablations = field(default_factory=Ablations)
+    recalibrate: bool = False
+    calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
+    verbose: bool = False
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    metrics: RunMetrics
+
+
+class Session:
+    """Target (+ draft) (+ expert engine): one sequence, generated step by step.
+
+    `generate` streams text; `complete` returns a Completion; `close` frees everything native
+    (engine first: its copy worker references the target context)."""
+
+    def __init__(self, cfg: SessionConfig, policy: Policy | None = None) -> None:
+        """policy: what decides the plans when the engine is on (default: MoE-SpAc with the
+        config's ablations); any `orchestrator.policies` Policy whose misses run on the host."""
+        self.cfg = cfg
+        self.engine = self.routing = self.calibration = None
+        self.policy = policy
+        self.draft = self.draft_ctx = None
+        self.engine_note = ""
+        self._models: list[Model] = []
+        self._contexts: list[Context] = []
+        self._tokens: list[int] = []
+        self._plan_in_force: Plan | None = None
+        self._plan_sent: Plan | None = None
+        self._stats_prev: dict | None = None
+        self.on_step: Callable[[StepRouting], None] | None = None  # e.g. a TraceWriter's append
+        self.last_metrics: RunMetrics | None = None
+        self.last_text = ""
+        try:
+            self._open(cfg)
+        except BaseException:
+            self.close()
+            raise
+        if self.engine is None:
+            self.policy = None
+        k_max = self.policy.estimator.k_max if hasattr(self.policy, "estimator") else cfg.k_max
+        self.recorder = RunRecorder(self.engine.n_moe_layers if self.engine else 0,
+                                    self.engine.n_expert if self.engine else 0, k_max, mode=self.mode)
+
+    def _open(self, cfg: SessionConfig) -> None:
+        ab = cfg.ablations
+        self.target = self._model(cfg.model, cfg.n_gpu_layers)
+        if cfg.draft is not None and not ab.no_sd:
+            self.draft = self._model(cfg.draft, cfg.n_gpu_layers_draft)
+            check_vocab(self.target, self.draft)
+        n_batch = max(cfg.n_batch, cfg.gamma + 1)
+        trained = self.target.meta(f"{self.target.arch}.context_length")
+        self.n_ctx = cfg.n_ctx or int(trained or 4096)
+        self.ctx = self._context(self.target, self.n_ctx, n_batch, cfg.n_threads)
+        if self.draft is not None:
+            self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch, cfg.n_threads)
+        self.mode = "speculative" if self.draft is not None else "autoregressive"
+        self.gamma = cfg.gamma if self.draft is not None else 0
+        self.chat_template = ChatTemplate.from_model(self.target)
+        if cfg.engine is not False and self.target.n_expert:
+            self._open_engine(cfg)
+
+    def _model(self, path, n_gpu_layers: int) -> Model:
+        m = Model(path, n_gpu_layers=n_gpu_layers, use_extra_bufts=self.cfg.use_extra_bufts, verbose=self.cfg.verbose)
+        self._models.append(m)
+        return m
+
+    def _context(self, model: Model, n_ctx: int, n_batch: int, n_threads: int) -> Context:
+        c = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+        self._contexts.append(c)
+        return c
+
+    def _open_engine(self, cfg: SessionConfig) -> None:
+        from orchestrator import calibrate
+        from orchestrator.native import ExpertEngine, NativeError, Routing
+
+        if self.policy is None:
+            self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
+        try:
+            self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=cfg.device,
+                                       budget_bytes=cfg.budget_bytes, budget_ratio=cfg.budget_ratio,
+                                       no_evict=cfg.ablations.no_evict or not self.policy.evicts)
+        except NativeError as e:
+            if cfg.engine:
+                raise
+            self.engine_note = f"expert engine off: {e}"
+            return
+        self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
+        self.calibration = calibrate.load_or_calibrate(self, force=cfg.recalibrate, path=cfg.calibration_cache)
+        if self.policy.miss != "cpu" or self.policy.uses_draft_routing or self.policy.needs_future:
+            raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
+                             "on the host, from the target's routing only)")
+        n_slots = int(self.engine.stats()["n_slots"])
+        self.policy.reset(PolicyContext(n_layer=self.engine.n_moe_layers, n_expert=self.engine.n_expert,
+                                        top_k=self.engine.n_expert_used, capacity=n_slots, gamma=self.gamma))
+        # initial placement, with the calibration as the first measurement
+        self._send(self.policy.plan(None, self._resident(), self.calibration.feedback()))
+        self.engine.reset_stats()
+        self._stats_prev = self.engine.stats()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.target.tokenize(text, add_special=True)
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """The conversation as prompt tokens: the GGUF's chat template, else one running text."""
+        if self.chat_template is None:
+            return self.target.tokenize("".join(m["content"] for m in messages), add_special=True)
+        text = self.chat_template.render(messages, add_generation_prompt=True)
+        bos = self.chat_template.bos_token
+        return tokenize_special(self.target, text, add_special=not (bos and text.startswith(bos)))
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
+                 sampling: SamplingParams = SamplingParams()) -> Completion:
+        text = "".join(self.generate(prompt, max_tokens, stop, sampling))
+        n_prompt = self.last_metrics.n_prompt_tokens
+        return Completion(text, list(self._tokens[n_prompt:]), self.last_metrics)
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
+                 sampling: SamplingParams = SamplingParams()) -> Iterator[str]:
+        """Stream the text of up to max_tokens new tokens; metrics in `last_metrics` at the end.
+
+        Stops at an end-of-generation token (not part of the text), at a stop string (text cut
+        before it), at max_tokens, or when the context is full."""
+        prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not prompt_tokens:
+            raise ValueError("empty prompt (and the model adds no BOS token)")
+        if len(prompt_tokens) >= self.n_ctx:
+            raise ModelError(f"prompt of {len(prompt_tokens)} tokens does not fit the context ({self.n_ctx})")
+        rng = np.random.default_rng(sampling.seed)
+        rec = self.recorder
+        rec.start(len(prompt_tokens), self.engine.stats() if self.engine else None)
+        stream = TextStream(stop)
+        reason = "interrupted"
+        n_out = 0
+        try:
+            self._prefill(prompt_tokens)
+            rec.prefill_done()
+            reason = "length"
+            while n_out < max_tokens:
+                room = self.n_ctx - len(self._tokens)
+                if room < 1:
+                    reason = "context"
+                    break
+                gamma = min(self.gamma, max_tokens - n_out - 1, room - 1)
+                n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                rec.step(n_drafted, n_accepted)
+                kept, chunk = 0, []
+                for t in new:
+                    kept += 1
+                    if self.target.is_eog(t):
+                        reason = "eos"
+                        break
+                    chunk.append(stream.push(self.target.piece(t)))
+                    if stream.stopped:
+                        reason = "stop"
+                        break
+                kept = min(kept, max_tokens - n_out)
+                self._accept(new[:kept])
+                n_out += kept
+                rec.emitted(kept)
+                if self.engine is not None:
+                    rec.engine_stats(self.engine.stats())
+                text = "".join(chunk)
+                if text:
+                    yield text
+                if reason in ("eos", "stop"):
+                    break
+            tail = stream.flush()
+            if tail:
+                yield tail
+        finally:
+            self._sync()
+            self.last_metrics = rec.finish(reason, self.engine.stats() if self.engine else None)
+            self.last_text = stream.text
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _step(self, gamma: int, sampling: SamplingParams, rng) -> tuple[int, int, list[int]]:
+        """One verification step (or one autoregressive decode): (drafted, accepted, new tokens).
+
+        Leaves the target's KV cache holding tokens + the accepted drafts."""
+        tokens, ctx, dctx = self._tokens, self.ctx, self.draft_ctx
+        greedy = sampling.greedy
+        drafts: list[int] = []
+        q: list[np.ndarray] = []
+        t0 = time.perf_counter()
+        if gamma > 0 and dctx is not None:
+            feed = tokens[dctx.n_past:]
+            is_eog = self.draft.is_eog
+            for _ in range(gamma):
+                dctx.decode(feed, logits_all=False)
+                row = dctx.logits()[-1]
+                if greedy:
+                    d = int(row.argmax())
+                else:
+                    qd = distribution(row, sampling)
+                    d = sample(qd, rng)
+                    q.append(qd)
+                drafts.append(d)
+                if is_eog(d):
+                    break
+                feed = (d,)
+        t1 = time.perf_counter()
+        base = len(tokens)
+        ctx.decode([tokens[-1], *drafts], logits_all=True)
+        logits = ctx.logits()
+        if greedy:
+            a, nxt = verify_greedy(drafts, logits)
+        else:
+            a, nxt = verify_sampled(drafts, q, logits, sampling, rng)
+        t2 = time.perf_counter()
+        ctx.trim(base + a)
+        if dctx is not None:
+            dctx.trim(min(dctx.n_past, base + min(a, max(len(drafts) - 1, 0))))
+        if self.engine is not None:
+            self._after_verify(len(drafts), a, t1 - t0, t2 - t1)
+        return len(drafts), a, [*drafts[:a], nxt]
+
+    def _after_verify(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+        """Routing of the verify pass → policy → plan, handed to the engine before drafting."""
+        t0 = time.perf_counter()
+        ids, weights = self.routing.last()
+        routing = StepRouting(selected=ids.transpose(1, 0, 2), weights=weights.transpose(1, 0, 2),
+                              n_drafted=n_drafted, n_accepted=n_accepted)
+        policy, engine = self.policy, self.engine
+        if self._plan_in_force is not None:
+            self.recorder.hot_cold(self._plan_in_force.utility, self._plan_in_force.threshold,
+                                   routing.frequency(engine.n_expert))
+        if self._observes:
+            observe(policy, routing, engine.n_expert)
+        plan = policy.plan(routing, self._resident(), self._feedback(n_drafted, draft_s, verify_s))
+        self._send(plan)
+        self._plan_in_force = plan
+        self.recorder.plan(plan.threshold, time.perf_counter() - t0)
+        if self.on_step is not None:
+            self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
+                                     n_drafted=n_drafted, n_accepted=n_accepted))
+
+    @property
+    def _observes(self) -> bool:
+        return type(self.policy).on_layer is not Policy.on_layer
+
+    def _resident(self) -> np.ndarray:
+        return self.engine.residency() >= 0
+
+    def _send(self, plan: Plan) -> None:
+        if plan is not self._plan_sent:  # a static plan is sent once
+            self.engine.set_plan(plan)
+            self._plan_sent = plan
+
+    def _feedback(self, n_drafted: int, draft_s: float, verify_s: float) -> Feedback:
+        """This step's measurements: the verify time spread over the MoE layers, the draft time
+        per token, the copy time per expert (engine stats); the unit compute times stay those of
+        the calibration (NaN: no new sample)."""
+        s, prev = self.engine.stats(), self._stats_prev
+        self._stats_prev = s
+        n_copies = s["n_copies"] - prev["n_copies"]
+        n_layer = self.engine.n_moe_layers
+        return Feedback(
+            t_cpu_unit=np.nan, t_gpu_unit=np.nan,
+            t_io_unit=(s["copy_busy_us"] - prev["copy_busy_us"]) * 1e-6 / n_copies if n_copies > 0 else np.nan,
+            t_draft_token=draft_s / n_drafted if n_drafted else np.nan,
+            t_layer=np.full(n_layer, verify_s / n_layer), expert_bytes=self.calibration.expert_bytes,
+            free_slots=int(s["n_slots"] - s["n_resident"]), n_drafted=n_drafted)
+
+    # -- KV bookkeeping ---------------------------------------------------------------------
+
+    def _prefill(self, prompt: list[int]) -> None:
+        """Target KV := prompt[:-1], draft KV := prompt[:-1], reusing what is cached."""
+        common = 0
+        for a, b in zip(self._tokens, prompt):
+            if a != b:
+                break
+            common += 1
+        keep = min(common, len(prompt) - 1)
+        self._tokens = list(prompt[:keep + 1])  # the KV caches hold tokens[:-1]
+        self._sync()
+        self._tokens = list(prompt)
+        for c in (self.ctx, self.draft_ctx):
+            if c is not None and c.n_past < len(prompt) - 1:
+                c.decode(prompt[c.n_past:-1], logits_all=False)
+
+    def _accept(self, new: list[int]) -> None:
+        self._tokens.extend(new)
+        self._sync(force=False)
+
+    def _sync(self, force: bool = True) -> None:
+        """Make the KV caches a prefix of tokens[:-1] again (after an interruption too: with
+        force, positions past n_past are removed as well, in case a decode ended unrecorded)."""
+        n = max(len(self._tokens) - 1, 0)
+        for c in (self.ctx, self.draft_ctx):
+            if c is None or not c.ptr:
+                continue
+            keep = min(c.n_past, n)
+            if force:
+                L.llama_memory_seq_rm(c.memory, 0, keep, -1)
+                c.n_past = keep
+            else:
+                c.trim(keep)
+
+    def reset(self) -> None:
+        """Forget the cached sequence (both KV caches emptied)."""
+        self._tokens = []
+        for c in (self.ctx, self.draft_ctx):
+            if c is not None:
+                c.clear()
+
+    def recalibrate(self) -> None:
+        """Measure the unit costs again (and refresh the cache file)."""
+        if self.engine is None:
+            return
+        from orchestrator import calibrate
+
+        self.reset()
+        self.calibration = calibrate.load_or_calibrate(self, force=True, path=self.cfg.calibration_cache)
+        self.policy.plan(None, self._resident(), self.calibration.feedback())
+
+    def close(self) -> None:
+        """Stop the engine's copy worker, then free contexts and models. Safe to call twice."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        for c in getattr(self, "_contexts", []):
+            c.close()
+        for m in getattr(self, "_models", []):
+            m.close()
+        self._contexts, self._models = [], []
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

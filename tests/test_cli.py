@@ -1,0 +1,154 @@
+"""`spac` CLI: generate (text and --json), chat, bad model paths, Ctrl-C handling, default models."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app, default_models, parse_budget
+from orchestrator.gguf_export import make_random_model, tiny_config
+from orchestrator.speculative import engine_built
+
+CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli-models")
+    return (make_random_model(d / "target.gguf", CFG, seed=1),
+            make_random_model(d / "draft.gguf", CFG, seed=1, quant="q8_0"))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPAC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+runner = CliRunner()
+
+
+@pytest.fixture(params=["no_engine", "engine"])
+def engine_args(request):
+    if request.param == "engine" and not engine_built():
+        pytest.skip("native engine not built")
+    return ["--no-engine"] if request.param == "no_engine" else ["--engine", "--expert-budget", "50%"]
+
+
+def test_generate_json(models, engine_args):
+    target, draft = models
+    r = runner.invoke(app, ["generate", "def f(x):", "-m", str(target), "-md", str(draft), "-n", "16",
+                            "--temp", "0", "--draft-max", "4", "-t", "1", "--json", *engine_args])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("text", "n_tokens", "tokens_per_s", "acceptance_rate", "device_share", "bytes_copied"):
+        assert key in out
+    assert 1 <= out["n_tokens"] <= 16 and out["mode"] == "speculative"
+    assert isinstance(out["text"], str)
+    assert out["engine"] == ("--engine" in engine_args)
+    if out["engine"]:
+        assert 0.0 <= out["device_share"] <= 1.0 and out["tau_histogram"]
+
+
+def test_generate_text_and_ablations(models):
+    target, draft = models
+    r = runner.invoke(app, ["generate", "import os", "-m", str(target), "-md", str(draft), "-n", "8",
+                            "--seed", "3", "-c", "256", "--no-sd", "--no-balancer", "--no-engine", "-t", "1"])
+    assert r.exit_code == 0, r.output
+    assert "tok/s" in r.stderr and "autoregressive" in r.stderr
+
+
+@pytest.mark.parametrize("kind", ["missing", "not_gguf", "draft_missing"])
+def test_bad_model_path_is_one_line_exit_2(models, tmp_path, kind):
+    target, _ = models
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("not a model")
+    args = {"missing": ["-m", str(tmp_path / "nope.gguf")],
+            "not_gguf": ["-m", str(junk)],
+            "draft_missing": ["-m", str(target), "-md", str(tmp_path / "nope.gguf")]}[kind]
+    r = runner.invoke(app, ["generate", "hi", *args, "--no-engine"])
+    assert r.exit_code == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spac: error:"), r.stderr
+    assert "Traceback" not in r.output
+    assert ("not a GGUF file" if kind == "not_gguf" else "not found") in lines[0]
+
+
+def test_chat_session_until_eof(models):
+    target, draft = models
+    r = runner.invoke(app, ["chat", "-m", str(target), "-md", str(draft), "-n", "8", "--temp", "0", "--no-engine", "-t", "1"],
+                      input="hello\n/reset\nsecond\n")
+    assert r.exit_code == 0, r.output
+    assert "bye" in r.stdout
+
+
+def test_ctrl_c_returns_to_prompt_then_exits(models, tmp_path, engine_args):
+    """First SIGINT stops a long answer and returns to the prompt; the second one, at the
+    prompt, exits with code 0 after closing engine, contexts and models."""
+    target, draft = models
+    env = {**os.environ, "SPAC_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "chat", "-m", str(target), "-md", str(draft),
+         "-n", "1000000", "-c", "60000", "--temp", "0", "-t", "1", *engine_args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 60
+        while not any("Ctrl-C stops" in line for line in out):
+            assert time.time() < deadline and proc.poll() is None, "".join(out) + proc.stderr.read()
+            time.sleep(0.1)
+        proc.stdin.write("tell me\n")
+        proc.stdin.flush()
+        time.sleep(2.0)  # generating (a million tokens would take minutes)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        assert proc.poll() is None, "first Ctrl-C must return to the prompt"
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=5)
+    text = "".join(out)
+    assert rc == 0, text + proc.stderr.read()
+    assert "interrupted" in text and "bye" in text
+
+
+def test_default_models_from_manifest(tmp_path):
+    m = tmp_path / "MANIFEST.json"
+    assert default_models(m) == (None, None)
+    m.write_text(json.dumps({"models": [
+        {"file": "t.gguf", "role": "target"},
+        {"file": "d1.gguf", "role": "draft"},
+        {"file": "d2.gguf", "role": "draft", "default": True}]}))
+    assert default_models(m) == (tmp_path / "t.gguf", tmp_path / "d2.gguf")
+    m.write_text(json.dumps({"default": {"target": "a.gguf", "draft": "b.gguf"}}))
+    assert default_models(m) == (tmp_path / "a.gguf", tmp_path / "b.gguf")
+    m.write_text(json.dumps({"target": {"file": "a.gguf"}, "default_draft": "c.gguf"}))
+    assert default_models(m) == (tmp_path / "a.gguf", tmp_path / "c.gguf")
+
+
+@pytest.mark.skipif(not (ROOT / "models" / "MANIFEST.json").exists(), reason="no embedded default models yet")
+def test_generate_with_no_model_arguments():
+    r = runner.invoke(app, ["generate", "def fibonacci(n):", "-n", "8", "--json", "-t", "1"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout.strip().splitlines()[-1])["n_tokens"] >= 1
+
+
+def test_parse_budget():
+    assert parse_budget("25%") == (0, 0.25)
+    assert parse_budget("512M") == (512_000_000, 0.0)
+    assert parse_budget("2GiB") == (2 << 30, 0.0)
+    assert parse_budget("123") == (123, 0.0)

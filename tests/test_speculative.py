@@ -1,0 +1,269 @@
+"""The speculative loop: greedy losslessness, rejection sampling, vocabulary checks, text handling.
+
+Models are seeded random tiny Qwen3-MoE GGUFs: the target, a Q4_0 copy of it as self-draft
+(high acceptance: long accepted runs and bonus tokens) and a different-seed draft (low
+acceptance: the rejection paths). With the native engine built, the losslessness test also
+runs with the expert pool on (second CPU buffer) and live plans every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, random_weights, tiny_config, write_gguf
+from orchestrator.llm import Context, Model
+from orchestrator.speculative import (
+    Ablations, ChatTemplate, SamplingParams, Session, SessionConfig, TextStream, VocabMismatchError,
+    check_vocab, distribution, engine_built, verify_greedy, verify_sampled,
+)
+
+CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
+N_PROMPTS, N_TOKENS = 20, 128
+# chi-square tests reject at p < 0.001: with fixed seeds the outcome is deterministic, and a
+# correct sampler fails such a test for one seed in a thousand
+CHI2_ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec-models")
+    out = {
+        "target": make_random_model(d / "target.gguf", CFG, seed=1),
+        "self_draft": make_random_model(d / "self-draft-q4_0.gguf", CFG, seed=1, quant="q4_0"),
+        "other_draft": make_random_model(d / "other-draft.gguf", CFG, seed=2),
+    }
+    tok = byte_level_bpe_tokenizer(CFG.n_vocab)
+    tok.tokens[300] = "<|renamed|>"
+    out["bad_vocab"] = write_gguf(d / "bad-vocab.gguf", CFG, random_weights(CFG, 3), tok)
+    big = dataclasses.replace(CFG, n_vocab=CFG.n_vocab + 32)
+    tok = byte_level_bpe_tokenizer(CFG.n_vocab)
+    tok.tokens += [f"<|extra_{i}|>" for i in range(32)]
+    tok.token_types += [tok.token_types[-1]] * 32
+    out["big_vocab"] = write_gguf(d / "big-vocab.gguf", big, random_weights(big, 4), tok)
+    return out
+
+
+def prompts(n: int = N_PROMPTS, seed: int = 7) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # ordinary tokens only (ids below the special tokens), lengths 3..24
+    return [rng.integers(0, 256, rng.integers(3, 25)).tolist() for _ in range(n)]
+
+
+def target_greedy(path, prompt: list[int], n: int) -> list[int]:
+    """Independent reference: target alone, one token per decode, argmax."""
+    model = Model(path)
+    ctx = Context(model, n_ctx=512, n_batch=64, n_threads=1)
+    try:
+        ctx.decode(prompt, logits_all=False)
+        out = []
+        for _ in range(n):
+            t = int(ctx.logits()[-1].argmax())
+            out.append(t)
+            if model.is_eog(t):
+                break
+            ctx.decode([t], logits_all=False)
+        return out
+    finally:
+        ctx.close()
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    return [target_greedy(models["target"], p, N_TOKENS) for p in prompts()]
+
+
+def session(models, tmp_path, draft="self_draft", gamma=4, engine=False, **kw) -> Session:
+    cfg = SessionConfig(model=models["target"], draft=models[draft] if draft else None, gamma=gamma, n_ctx=512,
+                        n_threads=1, engine=engine, calibration_cache=tmp_path / "cal.json", **kw)
+    return Session(cfg)
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["plain", "engine"])
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_greedy_is_lossless(models, references, tmp_path, gamma, engine):
+    if engine and not engine_built():
+        pytest.skip("native engine not built")
+    with session(models, tmp_path, gamma=gamma, engine=engine, budget_ratio=0.25) as s:
+        for prompt, ref in zip(prompts(), references):
+            c = s.complete(prompt, max_tokens=N_TOKENS)
+            assert c.tokens == ref, f"prompt {prompt}: first difference at {_first_diff(c.tokens, ref)}"
+        m = s.last_metrics
+        assert m.n_steps > 0 and m.tokens_per_step >= 1.0
+        if engine:
+            assert m.tau_histogram is not None and m.device_share is not None
+
+
+def test_greedy_lossless_with_rejections(models, references, tmp_path):
+    """A draft that disagrees often: rejected drafts must be trimmed from both KV caches."""
+    with session(models, tmp_path, draft="other_draft", gamma=4) as s:
+        for prompt, ref in list(zip(prompts(), references))[:6]:
+            assert s.complete(prompt, max_tokens=N_TOKENS).tokens == ref
+        assert s.last_metrics.acceptance_rate < 0.9
+
+
+def test_autoregressive_and_chat_prefix_reuse(models, references, tmp_path):
+    p, ref = prompts()[0], references[0]
+    with session(models, tmp_path, draft=None) as s:
+        assert s.mode == "autoregressive"
+        assert s.complete(p, max_tokens=N_TOKENS).tokens == ref
+    with session(models, tmp_path, gamma=4) as s:
+        first = s.complete(p, max_tokens=20).tokens
+        # the next request extends the cached sequence: only the new tail is prefilled
+        second = s.complete(p + first, max_tokens=N_TOKENS - 20).tokens
+        assert first + second == ref[:len(first) + len(second)]
+
+
+def test_max_tokens_and_stop_string(models, tmp_path):
+    with session(models, tmp_path, gamma=8) as s:
+        c = s.complete(prompts()[1], max_tokens=5)
+        assert len(c.tokens) <= 5 and c.metrics.n_tokens == len(c.tokens)
+        full = s.complete(prompts()[1], max_tokens=40).text
+        stop = full[10:13]
+        if stop and stop not in full[:10]:
+            cut = s.complete(prompts()[1], max_tokens=40, stop=[stop])
+            assert cut.text == full[:full.index(stop)]
+            assert cut.metrics.stop_reason == "stop"
+
+
+def test_vocab_mismatch_names_the_token(models):
+    target, bad, big = Model(models["target"]), Model(models["bad_vocab"]), Model(models["big_vocab"])
+    try:
+        with pytest.raises(VocabMismatchError, match=r"token 300: target '.*', draft '<\|renamed\|>'"):
+            check_vocab(target, bad)
+        with pytest.raises(VocabMismatchError, match=rf"token {CFG.n_vocab}: only the draft has it \('<\|extra_0\|>'\)"):
+            check_vocab(target, big)
+        check_vocab(target, target)
+    finally:
+        for m in (target, bad, big):
+            m.close()
+
+
+def test_session_refuses_mismatched_draft(models, tmp_path):
+    with pytest.raises(VocabMismatchError, match="token 300"):
+        session(models, tmp_path, draft="bad_vocab")
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def chi_square(samples: np.ndarray, p: np.ndarray) -> tuple[float, float]:
+    """(statistic, threshold at CHI2_ALPHA); cells with expected count < 5 pooled into one."""
+    n = len(samples)
+    observed = np.bincount(samples, minlength=len(p)).astype(float)
+    expected = p * n
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:  # fold a thin pool into the smallest cell
+        obs, exp = obs[:-1], exp[:-1]
+        obs[np.argmin(exp)] += observed[~big].sum()
+        exp[np.argmin(exp)] += expected[~big].sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    return stat, float(stats.chi2.ppf(1 - CHI2_ALPHA, len(obs) - 1))
+
+
+def test_rejection_sampling_matches_target_numpy():
+    """verify_sampled alone, with synthetic p and q: first and second output token.
+
+    (p-values of the first-token test over rng seeds 0..5: 0.001, 0.71, 0.75, 0.47, 0.88, 0.76,
+    spread as they should be for a correct sampler; seed 0 is the unlucky one.)"""
+    rng = np.random.default_rng(1)
+    V = 12
+    p = rng.dirichlet(np.ones(V) * 0.7, size=3)
+    q = rng.dirichlet(np.ones(V) * 0.7, size=3)
+    params = SamplingParams(temperature=1.0)
+    logits = np.log(p)
+    firsts, seconds = [], []
+    for _ in range(20000):
+        d = [int(rng.choice(V, p=q[0])), int(rng.choice(V, p=q[1]))]
+        a, nxt = verify_sampled(d, [q[0], q[1]], logits, params, rng)
+        out = [*d[:a], nxt]
+        firsts.append(out[0])
+        if a >= 1 and len(out) > 1:
+            seconds.append(out[1])  # given the first draft accepted: p[1] (logits[1] is its context)
+    for name, samples, dist in (("first", firsts, p[0]), ("second", seconds, p[1])):
+        stat, thr = chi_square(np.array(samples), dist)
+        print(f"chi-square {name} token {stat:.1f} < {thr:.1f} ({len(samples)} samples)")
+        assert stat < thr, (stat, thr)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=10),
+                                    SamplingParams(temperature=0.7, top_p=0.9)], ids=["topk", "topp"])
+def test_sampling_distribution_matches_target(models, tmp_path, params):
+    """Many seeded runs at one fixed context: the first sampled token follows the target's
+    distribution (temperature/top-k/top-p applied), though the draft is a different model."""
+    prompt = prompts(1, seed=11)[0]
+    model = Model(models["target"])
+    ctx = Context(model, n_ctx=128, n_batch=64, n_threads=1)
+    ctx.decode(prompt, logits_all=False)
+    p = distribution(ctx.logits()[-1], params)
+    ctx.close()
+    model.close()
+    n_runs = 2000
+    firsts = []
+    with session(models, tmp_path, draft="other_draft", gamma=2) as s:
+        for seed in range(n_runs):
+            c = s.complete(prompt, max_tokens=3, sampling=dataclasses.replace(params, seed=seed))
+            firsts.append(c.tokens[0])
+        assert s.last_metrics.n_drafted > 0
+    stat, thr = chi_square(np.array(firsts), p)
+    print(f"chi-square {stat:.1f} < {thr:.1f} ({params})")
+    assert stat < thr
+
+
+def test_distribution_filters():
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    p = distribution(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(p, [0.5 / 0.7, 0.2 / 0.7, 0, 0, 0])
+    p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    np.testing.assert_allclose(p, np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    p = distribution(logits, SamplingParams(temperature=0.5))
+    np.testing.assert_allclose(p, np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2 / (np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2).sum())
+
+
+def test_verify_greedy():
+    logits = np.zeros((4, 6), dtype=np.float32)
+    logits[[0, 1, 2, 3], [3, 1, 5, 2]] = 1.0
+    assert verify_greedy([3, 1, 5], logits) == (3, 2)
+    assert verify_greedy([3, 2, 5], logits) == (1, 1)
+    assert verify_greedy([0, 1, 5], logits) == (0, 3)
+    assert verify_greedy([], logits[:1]) == (0, 3)
+
+
+# ----------------------------------------------------------------------------- text
+
+def test_text_stream_holds_back_stop_prefixes_and_utf8():
+    s = TextStream(stop=["STOP"])
+    assert s.push(b"ab") == "ab"
+    assert s.push(b"cS") == "c"       # "S" could start STOP
+    assert s.push(b"T") == ""
+    assert s.push(b"x") == "STx"      # it did not
+    assert s.push(b"yST") == "y"
+    assert s.push(b"OPz") == ""
+    assert s.stopped and s.text == "abcSTxy"
+    u = TextStream()
+    snow = "☃".encode()
+    assert u.push(snow[:1]) == "" and u.push(snow[1:]) == "☃"
+    assert u.flush() == ""
+
+
+def test_chat_template_renders():
+    t = ChatTemplate("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% endif %}", bos_token="<s>")
+    out = t.render([{"role": "user", "content": "hi"}])
+    assert out == "<|user|>hi\n<|assistant|>"
+
+
+def test_ablation_names():
+    assert Ablations(no_sd=True, no_evict=True).names() == ["no_evict", "no_sd"]
+
+
+def _first_diff(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
