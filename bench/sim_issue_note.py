@@ -29,13 +29,14 @@ def main() -> None:
     ap.add_argument("--draft", default="qwen3-4b")
     ap.add_argument("--cache-ratio", type=float, default=0.17)
     ap.add_argument("--visibility", default="pass")
-    ap.add_argument("--policy", action="append")
+    ap.add_argument("--quant", default="Q4_K")
+    ap.add_argument("--policy", "-p", action="append")
     args = ap.parse_args()
 
     t0 = time.time()
     trace = synthesize_trace(args.steps, seed=args.seed)
     config = SimConfig(hardware=args.hardware, draft=None if args.draft == "none" else args.draft,
-                       cache_ratio=args.cache_ratio, visibility=args.visibility)
+                       cache_ratio=args.cache_ratio, visibility=args.visibility, quant=args.quant)
     results, skipped = compare(trace, config, args.policy or list(POLICIES))
     print(f"trace: {trace.n_steps} steps, {trace.n_generated} tokens, mean accepted {trace.n_accepted.mean():.2f}; "
           f"{config}\n")

@@ -40,14 +40,17 @@ HardwareOpt = typer.Option("rtx4090", "--hardware", help="hardware profile (spac
 ModelOpt = typer.Option("qwen3-30b-a3b", "--model", help="target model profile")
 DraftOpt = typer.Option("qwen3-4b", "--draft", help="draft model profile, or 'none' for free drafting")
 RatioOpt = typer.Option(0.17, "--cache-ratio", help="expert pool / all experts")
+QuantOpt = typer.Option("Q4_K", "--quant", help="weight format of the target (Q4_K, Q6_K, Q8_0, MXFP4, BF16)")
 VisibilityOpt = typer.Option("pass", "--visibility", help="'pass' (engine: maps per ubatch) or 'layer' (paper Fig. 3)")
 PolicyOpt = typer.Option(None, "--policy", "-p", help="policy (repeatable); default: all")
 OutOpt = typer.Option(None, "--out", help="directory for PNG plots and JSON results")
 
 
-def _config(hardware, model, draft, ratio, visibility) -> SimConfig:
+def _config(hardware, model, draft, ratio, visibility, quant="Q4_K") -> SimConfig:
+    if quant not in profiles.BITS_PER_WEIGHT:
+        raise typer.BadParameter(f"unknown format {quant!r}; known: {', '.join(profiles.BITS_PER_WEIGHT)}", param_hint="--quant")
     return SimConfig(hardware=hardware, model=model, draft=None if draft in (None, "none") else draft,
-                     cache_ratio=ratio, visibility=visibility)
+                     cache_ratio=ratio, visibility=visibility, quant=quant)
 
 
 def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: str) -> Trace:
@@ -101,7 +104,7 @@ def _table(title: str, rows: list[dict]) -> Table:
 
 def _setting(trace: Trace, config: SimConfig) -> str:
     return (f"{trace.model or 'trace'}: {trace.n_steps} steps, {trace.n_generated} tokens; "
-            f"{profiles.hardware(config.hardware).name}; draft {config.draft or 'free'}; "
+            f"{profiles.hardware(config.hardware).name}; {config.quant}; draft {config.draft or 'free'}; "
             f"cache {100 * config.cache_ratio:.0f}%; visibility {config.visibility}")
 
 
@@ -139,12 +142,12 @@ def profiles_cmd() -> None:
 def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
             acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
             cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
-            out: Optional[Path] = OutOpt) -> None:
+            quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
     """All policies side by side on one trace."""
     from orchestrator.sim.experiments import compare
 
     t = _trace(trace, steps, seed, gamma, acceptance, model)
-    config = _config(hardware, model, draft, cache_ratio, visibility)
+    config = _config(hardware, model, draft, cache_ratio, visibility, quant)
     results, skipped = compare(t, config, _names(policy))
     setting = _setting(t, config)
     console.print(_table(setting, [r.row() for r in results]))
@@ -159,13 +162,13 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
                     acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt,
                     draft: str = DraftOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
                     ratios: str = typer.Option(DEFAULT_RATIOS, "--ratios", help="comma-separated cache ratios"),
-                    out: Optional[Path] = OutOpt) -> None:
+                    quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
     """Tokens/s against the expert cache ratio (paper Fig. 5 left)."""
     from orchestrator.sim.experiments import sweep_cache_ratio
 
     t = _trace(trace, steps, seed, gamma, acceptance, model)
     rs = _ratios(ratios)
-    config = _config(hardware, model, draft, rs[0], visibility)
+    config = _config(hardware, model, draft, rs[0], visibility, quant)
     sweep = sweep_cache_ratio(t, config, _names(policy), rs)
     rows = [{"policy": name, **{f"{100 * r:.0f}%": (np.nan if x is None else x.tokens_per_s) for r, x in zip(rs, res)}}
             for name, res in sweep.items()]
@@ -179,12 +182,13 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
 def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
                 acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
                 cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt,
-                k_max: int = typer.Option(8, "--k-max", help="largest K"), out: Optional[Path] = OutOpt) -> None:
+                k_max: int = typer.Option(8, "--k-max", help="largest K"), quant: str = QuantOpt,
+                out: Optional[Path] = OutOpt) -> None:
     """MoE-SpAc tokens/s against the utility bound K (paper Fig. 5 right)."""
     from orchestrator.sim.experiments import sweep_k
 
     t = _trace(trace, steps, seed, gamma, acceptance, model)
-    config = _config(hardware, model, draft, cache_ratio, visibility)
+    config = _config(hardware, model, draft, cache_ratio, visibility, quant)
     ks = list(range(1, k_max + 1))
     results = sweep_k(t, config, ks)
     rows = [{"K": k, **r.row()} for k, r in zip(ks, results)]
@@ -197,7 +201,8 @@ def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: i
 @app.command("ablation")
 def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
                  acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
-                 cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, out: Optional[Path] = OutOpt) -> None:
+                 cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, quant: str = QuantOpt,
+                 out: Optional[Path] = OutOpt) -> None:
     """MoE-SpAc with one component removed at a time (paper Table 4). "w/o SD" needs a synthetic
     trace (it replays the same routing model decoded autoregressively)."""
     from orchestrator.sim.experiments import ablation
@@ -206,7 +211,7 @@ def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
     ar = None
     if trace is None:
         ar = _trace(None, t.n_generated, seed, 0, acceptance, model)
-    config = _config(hardware, model, draft, cache_ratio, visibility)
+    config = _config(hardware, model, draft, cache_ratio, visibility, quant)
     rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
     for row in rows:
         row.pop("policy")
@@ -249,12 +254,12 @@ def calibrate_cmd(tokens: int = typer.Option(1000, "--tokens"), seed: int = Seed
 
 @app.command("report")
 def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = HardwareOpt, draft: str = DraftOpt,
-               cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt,
+               cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, quant: str = QuantOpt,
                out: Path = typer.Option(Path("sim-report"), "--out")) -> None:
     """The paper's experiments on the synthetic Qwen3-30B-A3B trace: policies, cache sweep, K
     sweep, ablation and estimator accuracy, as tables plus PNGs in --out."""
     common = dict(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, hardware=hardware,
-                  model="qwen3-30b-a3b", draft=draft, visibility=visibility)
+                  model="qwen3-30b-a3b", draft=draft, visibility=visibility, quant=quant)
     run_cmd(**common, cache_ratio=cache_ratio, policy=None, out=out)
     sweep_cache_cmd(**common, policy=["static", "lru", "hybrimoe", "moe-spac", "oracle"], ratios=DEFAULT_RATIOS, out=out)
     sweep_k_cmd(**common, cache_ratio=cache_ratio, k_max=8, out=out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -12,6 +13,10 @@ import numpy as np  # noqa: E402
 
 from orchestrator.sim.experiments import tokens_per_s  # noqa: E402
 from orchestrator.sim.simulator import SimResult  # noqa: E402
+
+
+def _title(ax, title: str) -> None:
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -35,7 +40,7 @@ def policies_bar(results: list[SimResult], path, title: str = "") -> Path:
     hit.plot(x, [r.hit_rate for r in results], "o", color="tab:orange")
     hit.set_ylim(0, 1)
     hit.set_ylabel("hit rate (orange)")
-    ax.set_title(title)
+    _title(ax, title)
     return _save(fig, path)
 
 
@@ -46,7 +51,7 @@ def cache_ratio_lines(sweep: dict[str, list], ratios, path, title: str = "") -> 
         ax.plot(np.asarray(ratios) * 100, tokens_per_s(results), marker="o", label=name)
     ax.set_xlabel("expert cache ratio (%)")
     ax.set_ylabel("tokens/s")
-    ax.set_title(title)
+    _title(ax, title)
     ax.legend(fontsize=8, ncol=2)
     return _save(fig, path)
 
@@ -57,5 +62,5 @@ def k_line(ks, results: list[SimResult], path, title: str = "") -> Path:
     ax.plot(list(ks), tokens_per_s(results), marker="o")
     ax.set_xlabel("utility bound K")
     ax.set_ylabel("tokens/s")
-    ax.set_title(title)
+    _title(ax, title)
     return _save(fig, path)
