@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -86,11 +87,23 @@ def cmake_args(args: argparse.Namespace) -> list[str]:
     out = list(BASE_CMAKE_ARGS)
     if args.rpc:
         out.append("-DGGML_RPC=ON")
+    if _cpu_has_amx():
+        # ggml-cpu's AMX matmul segfaults on some AMX machines (upstream issue 20824, no fix);
+        # -march=native would compile it in, so turn the AMX instructions off explicitly
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        out += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     if args.cuda:
         # "native" would need a GPU at build time; an explicit list builds anywhere nvcc exists
         out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}"]
     out += args.cmake_arg
     return out
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def stamp_key(lock: dict, patches: list[Path], cmake: list[str], python: str) -> str:
@@ -177,6 +190,31 @@ def prepare_tree(sdist: Path, sha: str, tree: Path = TREE) -> None:
         git("reset", "-q", "--hard", PRISTINE_TAG, cwd=tree)
         git("clean", "-q", "-fdx", cwd=tree)
         return
+    _extract(sdist, sha, tree)
+
+
+def patched_files(tree: Path) -> dict[str, tuple[str, float]]:
+    """Files the applied patches touch: path -> (content hash, mtime)."""
+    if not (tree / ".git").exists():
+        return {}
+    out = {}
+    for rel in git("diff", "--name-only", PRISTINE_TAG, cwd=tree).stdout.split():
+        f = tree / rel
+        if f.is_file():
+            out[rel] = (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime)
+    return out
+
+
+def keep_mtimes(tree: Path, before: dict[str, tuple[str, float]]) -> None:
+    """Give re-patched files whose content did not change their old mtime, so the build
+    does not recompile them."""
+    for rel, (digest, mtime) in before.items():
+        f = tree / rel
+        if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() == digest:
+            os.utime(f, (mtime, mtime))
+
+
+def _extract(sdist: Path, sha: str, tree: Path) -> None:
     log(f"extracting {sdist.name}")
     tree.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=tree.parent, prefix=".extract-"))
@@ -239,7 +277,7 @@ def pip_install(python: str, cmake: list[str]) -> None:
     variant = hashlib.sha256(json.dumps(cmake).encode()).hexdigest()[:10]
     build_dir = VENDOR / "build" / variant
     env = dict(os.environ)
-    env["CMAKE_ARGS"] = " ".join(cmake)
+    env["CMAKE_ARGS"] = " ".join(shlex.quote(a) for a in cmake)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     res = subprocess.run([python, "-c", "import scikit_build_core"], capture_output=True)
     if res.returncode != 0:
@@ -294,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"up to date ({len(patches)} patches), nothing to do")
             return 0
         sdist = fetch_sdist(lock, args.python, args.sdist)
+        before = patched_files(TREE)
         prepare_tree(sdist, lock["sha256"])
         apply_patches(patches)
+        keep_mtimes(TREE, before)
         log(f"{len(patches)} patches apply cleanly")
         pip_install(args.python, cmake)
         lib = installed_lib(args.python)

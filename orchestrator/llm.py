@@ -1,0 +1,196 @@
+"""Thin wrapper over llama-cpp-python's low-level API: one model, one context, one sequence.
+
+Everything per token stays in numpy views of llama.cpp's own buffers: the batch arrays are
+written through views, logits are read through a view (no copies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp as L
+
+GGML_TYPE_F32 = 0
+_GGUF_MAGIC = b"GGUF"
+
+
+class ModelError(RuntimeError):
+    """A model file that cannot be used; the message says which and why."""
+
+
+def check_gguf(path: str | Path) -> Path:
+    """Fail with one clear line on a missing, unreadable or non-GGUF file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(f"model file not found: {p}")
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"cannot read {p}: {e.strerror}") from None
+    if magic != _GGUF_MAGIC:
+        raise ModelError(f"{p} is not a GGUF file")
+    return p
+
+
+_backend_ready = False
+
+
+def _init_backend(verbose: bool) -> None:
+    global _backend_ready
+    if not _backend_ready:
+        if not verbose:
+            _silence_logs()
+        L.llama_backend_init()
+        _backend_ready = True
+
+
+@L.llama_log_callback
+def _quiet_log(level, text, user_data):  # keep errors, drop llama.cpp's chatter
+    if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
+        print(text.decode(errors="replace"), end="", flush=True)
+
+
+def _silence_logs() -> None:
+    L.llama_log_set(_quiet_log, ctypes.c_void_p())
+
+
+class Model:
+    """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
+
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True, verbose: bool = False):
+        self.path = check_gguf(path)
+        _init_backend(verbose)
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        # False keeps every expert in its file layout (no CPU_REPACK): the same kernels as a CPU pool
+        params.use_extra_bufts = use_extra_bufts
+        self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.ptr:
+            raise ModelError(f"llama.cpp could not load {self.path} (corrupt file or unsupported architecture)")
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_layer = int(L.llama_model_n_layer(self.ptr))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = L.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "?"
+
+    @property
+    def n_expert(self) -> int:
+        v = self.meta(f"{self.arch}.expert_count")
+        return int(v) if v else 0
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode()
+        n_max = len(data) + 16
+        buf = (L.llama_token * n_max)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, False)
+        if n < 0:
+            buf = (L.llama_token * -n)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, False)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode(errors="replace")
+
+    def token_text(self, token: int) -> str:
+        return L.llama_vocab_get_text(self.vocab, token).decode(errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Context:
+    """One sequence on one model: decode token runs, read logits, trim the KV cache."""
+
+    def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_threads: int = 2,
+                 kv_f32: bool = False, cb_eval=None, cb_eval_user_data=None):
+        self.model = model
+        params = L.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_threads = params.n_threads_batch = n_threads
+        params.n_seq_max = 1
+        if kv_f32:
+            params.type_k = params.type_v = GGML_TYPE_F32
+        if cb_eval is not None:
+            params.cb_eval = cb_eval
+            params.cb_eval_user_data = cb_eval_user_data
+        self.ptr = L.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise ModelError(f"could not create a context of {n_ctx} tokens for {model.path.name}")
+        self.n_ctx, self.n_batch, self.n_vocab = n_ctx, n_batch, model.n_vocab
+        self.memory = L.llama_get_memory(self.ptr)
+        self._batch = L.llama_batch_init(n_batch, 0, 1)
+        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
+        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(n_batch,))
+        self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
+        self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
+        self._n_seq_id[:] = 1
+        for i in range(n_batch):
+            self._batch.seq_id[i][0] = 0
+        self.n_past = 0  # tokens in the KV cache
+
+    def decode(self, tokens, logits_all: bool = True) -> None:
+        """Append tokens at the end of the sequence (one llama_decode per n_batch tokens)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            n = len(chunk)
+            if self.n_past + n > self.n_ctx:
+                raise ModelError(f"context full: {self.n_past + n} tokens > n_ctx {self.n_ctx}")
+            self._tokens[:n] = chunk
+            self._pos[:n] = np.arange(self.n_past, self.n_past + n, dtype=np.int32)
+            last = start + n == len(tokens)
+            self._logits[:n] = 1 if logits_all else 0
+            if last:
+                self._logits[n - 1] = 1
+            self._batch.n_tokens = n
+            rc = L.llama_decode(self.ptr, self._batch)
+            if rc != 0:
+                raise ModelError(f"llama_decode failed with code {rc}")
+            self.n_past += n
+            self._n_out = n if logits_all else 1
+
+    def logits(self) -> np.ndarray:
+        """float32 [n_outputs, n_vocab] of the last decode: a view, valid until the next decode."""
+        ptr = L.llama_get_logits(self.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_vocab))
+
+    def trim(self, n_keep: int) -> None:
+        """Drop every cached position >= n_keep (rejected draft tokens)."""
+        if n_keep < self.n_past:
+            L.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
+            self.n_past = n_keep
+
+    def clear(self) -> None:
+        L.llama_memory_clear(self.memory, True)
+        self.n_past = 0
+
+    def close(self) -> None:
+        if self.ptr:
+            L.llama_batch_free(self._batch)
+            L.llama_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,226 @@
+"""ctypes bindings to spac's native engine (include/spac.h in the patched llama.cpp).
+
+The functions live in the same libllama that llama-cpp-python loads, so they are bound to
+its handle. `ExpertEngine` owns one `spac_engine`; routing is read through numpy views of
+the context's host buffer (no copies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint8, c_uint64, c_void_p
+
+import numpy as np
+
+from orchestrator.plan import Plan
+
+_ERR_LEN = 512
+
+
+class SpacEngineParams(ctypes.Structure):
+    _fields_ = [
+        ("model_path", c_char_p),
+        ("device", c_char_p),
+        ("budget_bytes", c_uint64),
+        ("budget_ratio", c_float),
+        ("max_split_tokens", c_int32),
+        ("no_evict", c_bool),
+        ("copy_delay_us", c_int32),
+    ]
+
+
+class SpacEngineStats(ctypes.Structure):
+    _fields_ = [
+        ("n_expert_tokens_device", c_uint64),
+        ("n_expert_tokens_cpu", c_uint64),
+        ("bytes_copied", c_uint64),
+        ("n_copies", c_uint64),
+        ("n_evictions", c_uint64),
+        ("n_prefetch_late", c_uint64),
+        ("copy_busy_us", c_double),
+        ("n_slots", c_int32),
+        ("n_resident", c_int32),
+    ]
+
+
+class NativeError(RuntimeError):
+    """The native engine refused a request; the message says why."""
+
+
+def _bind():
+    from llama_cpp import llama_cpp as low
+
+    lib = low._lib
+    if not hasattr(lib, "spac_engine_create"):
+        raise NativeError("this llama-cpp-python was not built from spac's patch series: run scripts/build_native.py")
+
+    def fn(name, restype, *argtypes):
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, list(argtypes)
+        return f
+
+    ctx_p, eng_p = c_void_p, c_void_p
+    i32p, u8p = POINTER(c_int32), POINTER(c_uint8)
+    return {
+        "default_params": fn("spac_engine_default_params", SpacEngineParams),
+        "create": fn("spac_engine_create", eng_p, ctx_p, POINTER(SpacEngineParams), c_char_p, c_size_t),
+        "free": fn("spac_engine_free", None, eng_p),
+        "n_moe_layers": fn("spac_engine_n_moe_layers", c_int32, eng_p),
+        "n_expert": fn("spac_engine_n_expert", c_int32, eng_p),
+        "n_expert_used": fn("spac_engine_n_expert_used", c_int32, eng_p),
+        "set_plan": fn("spac_engine_set_plan", c_int32, eng_p, u8p, i32p, i32p, c_int32, i32p, c_int32, c_char_p, c_size_t),
+        "wait_idle": fn("spac_engine_wait_idle", c_int32, eng_p, c_int32),
+        "get_stats": fn("spac_engine_get_stats", None, eng_p, POINTER(SpacEngineStats)),
+        "reset_stats": fn("spac_engine_reset_stats", None, eng_p),
+        "get_residency": fn("spac_engine_get_residency", None, eng_p, i32p),
+        "routing_enable": fn("spac_routing_enable", None, ctx_p, c_bool),
+        "routing_n_tokens": fn("spac_routing_n_tokens", c_int32, ctx_p),
+        "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
+        "routing_ids": fn("spac_routing_ids", i32p, ctx_p),
+        "routing_weights": fn("spac_routing_weights", POINTER(c_float), ctx_p),
+    }
+
+
+_lib: dict | None = None
+
+
+def lib() -> dict:
+    global _lib
+    if _lib is None:
+        _lib = _bind()
+    return _lib
+
+
+def ggml_library(name: str = "ggml") -> ctypes.CDLL:
+    """The instance of lib<name> that libllama itself uses (the wheel holds copies, not
+    symlinks, of each .so: only the soname file is the one already loaded)."""
+    from llama_cpp import llama_cpp as low
+
+    return ctypes.CDLL(str(Path(low._lib._name).parent / f"lib{name}.so.0"))
+
+
+def _ctx_ptr(ctx) -> c_void_p:
+    """Accept a llama_context_p (ctypes) or an int address."""
+    return ctx if isinstance(ctx, c_void_p) else c_void_p(ctx if isinstance(ctx, int) else ctypes.cast(ctx, c_void_p).value)
+
+
+class Routing:
+    """Routing export of one llama context: which experts the last decode's tokens chose."""
+
+    def __init__(self, ctx, n_expert_used: int):
+        self._ctx = _ctx_ptr(ctx)
+        self.n_expert_used = n_expert_used
+        lib()["routing_enable"](self._ctx, True)
+        self.n_moe_layers = int(lib()["routing_n_moe_layers"](self._ctx))
+
+    def last(self) -> tuple[np.ndarray, np.ndarray]:
+        """ids int32 and weights float32, both [n_moe_layers, n_tokens, n_expert_used].
+
+        Views of the context's buffer, valid until its next decode: copy to keep them.
+        """
+        n_tokens = int(lib()["routing_n_tokens"](self._ctx))
+        shape = (self.n_moe_layers, n_tokens, self.n_expert_used)
+        if n_tokens == 0:
+            return np.zeros(shape, np.int32), np.zeros(shape, np.float32)
+        ids = np.ctypeslib.as_array(lib()["routing_ids"](self._ctx), shape=shape)
+        weights = np.ctypeslib.as_array(lib()["routing_weights"](self._ctx), shape=shape)
+        return ids, weights
+
+    def disable(self) -> None:
+        lib()["routing_enable"](self._ctx, False)
+
+
+class ExpertEngine:
+    """A device expert pool attached to one llama context (see spac.h).
+
+    device: None or "CPU" for a second CPU buffer, else a ggml device name ("CUDA0", "RPC0[...]").
+    Budget: budget_bytes if > 0, else budget_ratio of all expert bytes.
+    """
+
+    def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
+                 budget_ratio: float = 0.25, max_split_tokens: int = 64, no_evict: bool = False,
+                 copy_delay_us: int = 0):
+        self._ctx = _ctx_ptr(ctx)
+        p = lib()["default_params"]()
+        p.model_path = str(model_path).encode()
+        p.device = device.encode() if device else None
+        p.budget_bytes = int(budget_bytes)
+        p.budget_ratio = float(budget_ratio)
+        p.max_split_tokens = int(max_split_tokens)
+        p.no_evict = bool(no_evict)
+        p.copy_delay_us = int(copy_delay_us)
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        # the device/CPU counts in stats() are taken from the routing export
+        lib()["routing_enable"](self._ctx, True)
+        self._eng = lib()["create"](self._ctx, ctypes.byref(p), err, _ERR_LEN)
+        if not self._eng:
+            raise NativeError(err.value.decode(errors="replace"))
+        self.n_moe_layers = int(lib()["n_moe_layers"](self._eng))
+        self.n_expert = int(lib()["n_expert"](self._eng))
+        self.n_expert_used = int(lib()["n_expert_used"](self._eng))
+        self._err = err
+
+    def set_plan(self, plan: Plan) -> None:
+        """Hand one step's plan to the copy engine (returns at once; copies run in the background)."""
+        shape = (self.n_moe_layers, self.n_expert)
+        utility = np.asarray(plan.utility)
+        threshold = np.asarray(plan.threshold)
+        if utility.shape != shape or utility.dtype != np.uint8:
+            raise ValueError(f"plan.utility must be uint8 {shape}, got {utility.dtype} {utility.shape}")
+        if threshold.shape != (self.n_moe_layers,) or threshold.dtype != np.int32:
+            raise ValueError(f"plan.threshold must be int32 ({self.n_moe_layers},), got {threshold.dtype} {threshold.shape}")
+        utility = np.ascontiguousarray(utility)
+        threshold = np.ascontiguousarray(threshold)
+        prefetch, n_prefetch = _pairs(plan.prefetch, "prefetch")
+        evict, n_evict = _pairs(plan.evict, "evict")
+        rc = lib()["set_plan"](self._eng, utility.ctypes.data_as(POINTER(c_uint8)),
+                               threshold.ctypes.data_as(POINTER(c_int32)),
+                               prefetch, n_prefetch, evict, n_evict, self._err, _ERR_LEN)
+        if rc != 0:
+            raise ValueError(self._err.value.decode(errors="replace"))
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        return bool(lib()["wait_idle"](self._eng, int(timeout_s * 1000)))
+
+    def stats(self) -> dict:
+        s = SpacEngineStats()
+        lib()["get_stats"](self._eng, ctypes.byref(s))
+        return {name: getattr(s, name) for name, _ in SpacEngineStats._fields_}
+
+    def reset_stats(self) -> None:
+        lib()["reset_stats"](self._eng)
+
+    def residency(self) -> np.ndarray:
+        """int32 [n_moe_layers, n_expert]: pool slot of each resident expert, -1 elsewhere."""
+        out = np.empty((self.n_moe_layers, self.n_expert), dtype=np.int32)
+        lib()["get_residency"](self._eng, out.ctypes.data_as(POINTER(c_int32)))
+        return out
+
+    def close(self) -> None:
+        """Stop the copy worker and free the pool; the context runs unsplit again."""
+        if self._eng:
+            lib()["free"](self._eng)
+            self._eng = None
+
+    def __enter__(self) -> ExpertEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # a context must outlive its engine: owners close explicitly, this is a last resort
+        pass
+
+
+def _pairs(rows, what: str):
+    if rows is None:
+        return None, 0
+    arr = np.ascontiguousarray(rows, dtype=np.int32)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"plan.{what} must be int32 [n, 2] (layer, expert) rows, got shape {arr.shape}")
+    # keep the array alive for the duration of the call through the returned pointer's _arr
+    ptr = arr.ctypes.data_as(POINTER(c_int32))
+    ptr._arr = arr
+    return ptr, int(arr.shape[0])
