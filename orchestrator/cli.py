@@ -5,8 +5,9 @@
     spac calibrate
 
 Options follow llama.cpp's names (-m, -md, --draft-max, -t, -c, --temp, --seed, ...). With no
--m, the embedded default models listed in models/MANIFEST.json are used. A bad model path is
-one line on stderr and exit code 2.
+-m, the shipped default models (models/MANIFEST.json, `orchestrator.models`) are used; -m naming
+the shipped target without -md takes the shipped default draft. Without a draft, decoding is
+autoregressive. A bad model path is one line on stderr and exit code 2.
 
 Other teams' command groups are mounted in `_mount_subcommands` (`spac sim`, `spac trace`).
 """
@@ -30,55 +31,27 @@ app = typer.Typer(name="spac", no_args_is_help=True, add_completion=False, prett
                   help="Speculative decoding for MoE GGUF models with a device expert pool.")
 err = Console(stderr=True, highlight=False)
 
-ROOT = Path(__file__).resolve().parent.parent
-MANIFEST = ROOT / "models" / "MANIFEST.json"
 
 EXIT_USAGE = 2
 
 
 # ----------------------------------------------------------------------------- default models
 
-def default_models(manifest: Path = MANIFEST) -> tuple[Path | None, Path | None]:
-    """(target, draft) named by the models manifest, or (None, None) if there is none.
+def default_models(models_dir: Path | None = None) -> tuple[Path | None, Path | None]:
+    """(target, default draft) of the shipped models (`orchestrator.models`), or (None, None)
+    when there is no manifest; the draft is None if the manifest names none."""
+    from orchestrator import models
 
-    Accepted shapes: {"default": {"target": f, "draft": f}}, {"target": f|{...}, "draft": ...},
-    or a list of entries (under "models"/"files", or as the values of a dict) with a file name
-    ("file"/"path"/"name") and a "role" ("target", "draft", ...); "default_draft" names the
-    draft to use when several are listed, else an entry with "default": true wins."""
+    models_dir = models_dir or models.MODELS_DIR
     try:
-        data = json.loads(manifest.read_text())
-    except (OSError, ValueError):
+        target = models.default_model("target", models_dir)
+    except (OSError, KeyError, ValueError):
         return None, None
-    base = manifest.parent
-
-    def path_of(x) -> Path | None:
-        if isinstance(x, str):
-            return base / x
-        if isinstance(x, dict):
-            for k in ("file", "path", "gguf", "name"):
-                if isinstance(x.get(k), str) and x[k].endswith(".gguf"):
-                    return base / x[k]
-        return None
-
-    d = data.get("default") or data.get("defaults")
-    if isinstance(d, dict) and "target" in d:
-        return path_of(d["target"]), path_of(d.get("draft"))
-    if "target" in data and not isinstance(data["target"], list):
-        return path_of(data["target"]), path_of(data.get("draft") or data.get("default_draft"))
-    entries = data.get("models") or data.get("files") or data
-    if isinstance(entries, dict):
-        entries = [{**v, "file": v.get("file", k)} if isinstance(v, dict) else v for k, v in entries.items()]
-    entries = [e for e in entries if isinstance(e, dict) and path_of(e)]
-
-    def role(e) -> str:
-        return str(e.get("role") or e.get("kind") or e.get("type") or "").lower()
-
-    targets = [e for e in entries if "target" in role(e)]
-    drafts = [e for e in entries if "draft" in role(e)]
-    want = data.get("default_draft")
-    chosen = next((e for e in drafts if want and want in (e.get("file"), e.get("name"), e.get("path"), role(e))), None)
-    chosen = chosen or next((e for e in drafts if e.get("default")), None) or (drafts[0] if drafts else None)
-    return (path_of(targets[0]) if targets else None), (path_of(chosen) if chosen else None)
+    try:
+        draft = models.default_model("draft", models_dir)
+    except (KeyError, ValueError):
+        draft = None
+    return target, draft
 
 
 # ----------------------------------------------------------------------------- options
@@ -131,9 +104,13 @@ def _config(model, model_draft, draft_max, expert_budget, device, threads, ctx_s
     if model is None:
         target, draft = default_models()
         if target is None:
-            _fail(f"no model given (-m) and no default models ({MANIFEST.relative_to(ROOT)} is missing)")
+            _fail("no model given (-m) and no shipped default models (models/MANIFEST.json is missing)")
         model = target
         if model_draft is None:
+            model_draft = draft
+    elif model_draft is None:
+        target, draft = default_models()
+        if target is not None and model.resolve() == target.resolve():
             model_draft = draft
     budget_bytes, budget_ratio = parse_budget(expert_budget)
     return SessionConfig(model=model, draft=model_draft, gamma=draft_max, n_ctx=ctx_size, n_threads=threads,

@@ -127,17 +127,12 @@ def test_ctrl_c_returns_to_prompt_then_exits(models, tmp_path, engine_args):
 
 
 def test_default_models_from_manifest(tmp_path):
-    m = tmp_path / "MANIFEST.json"
-    assert default_models(m) == (None, None)
-    m.write_text(json.dumps({"models": [
-        {"file": "t.gguf", "role": "target"},
-        {"file": "d1.gguf", "role": "draft"},
-        {"file": "d2.gguf", "role": "draft", "default": True}]}))
-    assert default_models(m) == (tmp_path / "t.gguf", tmp_path / "d2.gguf")
-    m.write_text(json.dumps({"default": {"target": "a.gguf", "draft": "b.gguf"}}))
-    assert default_models(m) == (tmp_path / "a.gguf", tmp_path / "b.gguf")
-    m.write_text(json.dumps({"target": {"file": "a.gguf"}, "default_draft": "c.gguf"}))
-    assert default_models(m) == (tmp_path / "a.gguf", tmp_path / "c.gguf")
+    assert default_models(tmp_path) == (None, None)
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"default_draft": "draft-q4_0", "files": [
+        {"file": "target.gguf", "role": "target"},
+        {"file": "draft-dense.gguf", "role": "draft-dense"},
+        {"file": "draft-q4_0.gguf", "role": "draft-q4_0"}]}))
+    assert default_models(tmp_path) == (tmp_path / "target.gguf", tmp_path / "draft-q4_0.gguf")
 
 
 @pytest.mark.skipif(not (ROOT / "models" / "MANIFEST.json").exists(), reason="no embedded default models yet")
