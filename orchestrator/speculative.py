@@ -66,24 +66,47 @@ class SamplingParams:
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The sampling distribution (float64 [n_vocab], sums to 1) of one row of logits:
     temperature, then top-k (ties at the k-th value kept), then top-p (smallest prefix of the
-    sorted distribution whose mass reaches top_p), renormalised."""
-    x = np.array(logits, dtype=np.float64)
-    if params.temperature != 1.0:
-        x /= params.temperature
+    sorted distribution whose mass reaches top_p), renormalised. With top-k on, the softmax and
+    the top-p sort see only the k candidates (a 150k vocabulary costs one partition)."""
+    n = logits.shape[-1]
     k = params.top_k
-    if 0 < k < x.size:
-        kth = np.partition(x, x.size - k)[x.size - k]
-        x[x < kth] = -np.inf
-    x -= x.max()
-    np.exp(x, out=x)
-    x /= x.sum()
+    if 0 < k < n:
+        kth = np.partition(logits, n - k)[n - k]
+        idx = np.flatnonzero(logits >= kth)
+        z = logits[idx].astype(np.float64)
+    else:
+        idx = None
+        z = logits.astype(np.float64)
+    z -= z.max()
+    if params.temperature != 1.0:
+        z /= params.temperature
+    np.exp(z, out=z)
+    z /= z.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-x, kind="stable")
-        mass = np.cumsum(x[order])
-        n_keep = int(np.searchsorted(mass, params.top_p)) + 1
-        x[order[n_keep:]] = 0.0
-        x /= x.sum()
-    return x
+        z = _nucleus(z, params.top_p)
+    if idx is None:
+        return z
+    p = np.zeros(n)
+    p[idx] = z
+    return p
+
+
+def _nucleus(z: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the most probable entries up to mass top_p, renormalised. The nucleus is found among
+    the top m candidates, m growing ×8 until their mass reaches top_p (no full sort)."""
+    n, m = z.size, 64
+    while True:
+        cand = np.argpartition(z, n - m)[n - m:] if m < n else np.arange(n)
+        order = cand[np.argsort(-z[cand], kind="stable")]
+        mass = np.cumsum(z[order])
+        if mass[-1] >= top_p or m >= n:
+            break
+        m = min(m * 8, n)
+    keep = order[:int(np.searchsorted(mass, top_p)) + 1]
+    out = np.zeros_like(z)
+    out[keep] = z[keep]
+    out /= out.sum()
+    return out
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

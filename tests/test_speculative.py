@@ -290,6 +290,25 @@ def test_chat_template_renders():
     assert out == "<|user|>hi\n<|assistant|>"
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_from_gguf(models, tmp_path):
+    tok = byte_level_bpe_tokenizer(CFG.n_vocab)
+    tok.chat_template = CHATML
+    path = write_gguf(tmp_path / "chat.gguf", CFG, random_weights(CFG, 1), tok)
+    cfg = SessionConfig(model=path, draft=models["self_draft"], gamma=4, n_ctx=512, n_threads=1, engine=False)
+    with Session(cfg) as s:
+        assert s.chat_template is not None and s.chat_template.source == CHATML
+        ids = s.chat_tokens([{"role": "user", "content": "hi"}])
+        im_start = tok.tokens.index("<|im_start|>")
+        assert ids[0] == im_start and ids.count(im_start) == 2  # parsed as special tokens, not text
+        assert s.target.detokenize(ids).endswith("assistant\n")
+        c = s.complete(ids, max_tokens=16, sampling=SamplingParams(temperature=0.9, seed=0))
+        assert c.metrics.n_tokens >= 1
+
+
 def test_ablation_names():
     assert Ablations(no_sd=True, no_evict=True).names() == ["no_evict", "no_sd"]
 
