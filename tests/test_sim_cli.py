@@ -47,8 +47,8 @@ def test_bad_trace_and_record(tmp_path):
     bad.write_bytes(b"PK\x03\x04 truncated")
     r = invoke("trace", "info", bad)
     assert r.exit_code == 1 and "truncated or corrupt" in r.output
-    r = invoke("trace", "record", tmp_path / "live.npz")
-    assert r.exit_code == 2 and "TraceWriter" in r.output
+    r = invoke("trace", "record", tmp_path / "live.npz")  # no prompt
+    assert r.exit_code == 2 and "--prompt" in r.output
 
 
 def test_sweeps_and_ablation(tmp_path):

@@ -94,7 +94,8 @@ class Policy:
         """Layer `layer` of the pass used counts[e] tokens of expert e (routing weight sums)."""
 
     def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
-        """The plan for the next step. routing is None before the first step (initial placement)."""
+        """The plan for the next step. routing is None before the first step (initial placement).
+        Its arrays may be views of the executor's buffers: valid during the call, copy to keep."""
         raise NotImplementedError
 
     def draft_plan(self, draft_selected: np.ndarray, resident: np.ndarray) -> Plan | None:

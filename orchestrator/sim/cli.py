@@ -267,15 +267,64 @@ def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = Hardw
     accuracy_cmd(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, model="qwen3-30b-a3b", tau=1, k_max=4)
 
 
+def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None = None) -> Trace:
+    """Generate greedily from each prompt on an open `orchestrator.speculative.Session` (expert
+    engine on: it exports the routing) and write every verification step to `out`."""
+    from orchestrator.sim.trace import TraceWriter
+    from orchestrator.speculative import SamplingParams
+
+    engine = session.engine
+    if engine is None:
+        raise ValueError("recording needs the expert engine (routing export): " + (session.engine_note or "engine off"))
+    writer = TraceWriter(out, n_layer=engine.n_moe_layers, n_expert=engine.n_expert, top_k=engine.n_expert_used,
+                         model=Path(str(session.target.path)).stem,
+                         meta={"gamma": session.gamma, "mode": session.mode, "prompts": len(prompts),
+                               "max_tokens": max_tokens, **(meta or {})})
+    previous, session.on_step = session.on_step, writer.append
+    try:
+        for prompt in prompts:
+            session.complete(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+    finally:
+        session.on_step = previous
+        writer.close()
+    return read_trace(out)
+
+
 @trace_app.command("record")
-def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)")) -> None:
-    """Record a live run's routing. Needs the native engine (routing export), which this build
-    does not have yet: the live loop writes traces through orchestrator.sim.trace.TraceWriter,
-    calling `append(StepRouting)` once per verification step."""
-    console.print("[red]spac trace record needs the native engine's routing export, which is not available "
-                  "in this build.[/red] The live loop records with orchestrator.sim.trace.TraceWriter "
-                  "(append(StepRouting) per verification step). For a synthetic trace: spac trace synth.")
-    raise typer.Exit(code=2)
+def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"),
+               prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="prompt text (repeatable)"),
+               prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="one prompt per line"),
+               n_predict: int = typer.Option(128, "-n", "--n-predict", help="tokens per prompt"),
+               model: Optional[Path] = typer.Option(None, "-m", "--model", help="target MoE GGUF [default: shipped]"),
+               model_draft: Optional[Path] = typer.Option(None, "-md", "--model-draft", help="draft GGUF"),
+               draft_max: int = typer.Option(8, "--draft-max", help="γ"),
+               budget_ratio: float = typer.Option(0.25, "--expert-budget-ratio", help="device pool / all experts"),
+               threads: int = typer.Option(2, "-t", "--threads"), ctx_size: int = typer.Option(0, "-c", "--ctx-size")) -> None:
+    """Record the routing of a live run (greedy, expert engine on): per verification step the
+    draft length, accepted count and the experts and weights of every verified token."""
+    from orchestrator.cli import default_models
+    from orchestrator.speculative import Session, SessionConfig
+
+    texts = list(prompt or [])
+    if prompts_file is not None:
+        texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+    if not texts:
+        raise typer.BadParameter("give --prompt or --prompts-file", param_hint="--prompt")
+    if model is None:
+        model, default_draft = default_models()
+        if model is None:
+            raise typer.BadParameter("no -m and no shipped default model", param_hint="--model")
+        model_draft = model_draft or default_draft
+    cfg = SessionConfig(model=model, draft=model_draft, gamma=draft_max, n_ctx=ctx_size, n_threads=threads,
+                        engine=True, budget_ratio=budget_ratio)
+    try:
+        with Session(cfg) as session:
+            t = record_trace(session, out, texts, n_predict)
+    except (ValueError, OSError, RuntimeError) as e:
+        console.print(f"[red]spac trace record: {e}[/red]")
+        raise typer.Exit(code=2) from None
+    console.print(f"wrote {out}: {t.n_steps} steps, {t.n_generated} tokens, {t.n_layer} MoE layers, "
+                  f"{t.n_expert} experts, top-{t.top_k}")
 
 
 @trace_app.command("synth")

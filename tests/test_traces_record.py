@@ -1,0 +1,109 @@
+"""Live recording on the tiny model, and parity: the policy object that drove the live engine
+makes the same plans when the recorded trace is replayed through the simulator's call path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.gguf_export import make_random_model, tiny_config
+from orchestrator.plan import StepRouting
+from orchestrator.policies import make_policy, observe
+from orchestrator.policies.base import PolicyContext
+from orchestrator.sim.cli import record_trace
+from orchestrator.sim.simulator import SimConfig, Simulator
+
+speculative = pytest.importorskip("orchestrator.speculative")
+CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
+
+
+def recording(policy):
+    """Record every (routing, resident, feedback) → plan call on the instance itself, so that
+    the session still sees the policy's own class. The live routing is a view of the engine's
+    export buffer: copy it."""
+    calls, plan = [], policy.plan
+
+    def wrapped(routing, resident, feedback=None):
+        out = plan(routing, resident, feedback)
+        kept = None if routing is None else StepRouting(selected=routing.selected.copy(), n_drafted=routing.n_drafted,
+                                                        n_accepted=routing.n_accepted)
+        calls.append((kept, resident.copy(), feedback, out))
+        return out
+
+    policy.plan = wrapped
+    return calls
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    if not speculative.engine_built():
+        pytest.skip("native engine not built")
+    d = tmp_path_factory.mktemp("record")
+    target = make_random_model(d / "target.gguf", CFG, seed=1)
+    draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
+    policy = make_policy("moe-spac")
+    calls = recording(policy)
+    cfg = speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
+                                    budget_ratio=0.25, calibration_cache=d / "cal.json")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, 12).tolist() for _ in range(3)]
+    with speculative.Session(cfg, policy=policy) as session:
+        trace = record_trace(session, d / "tiny.npz", prompts, max_tokens=24)
+    return trace, policy, calls
+
+
+def test_recorded_trace_matches_the_live_steps(live_run):
+    trace, policy, calls = live_run
+    steps = [c for c in calls if c[0] is not None]
+    assert trace.n_steps == len(steps) > 10
+    assert (trace.n_layer, trace.n_expert, trace.top_k) == (2, 16, 4)
+    for i, (routing, *_rest) in enumerate(steps):
+        np.testing.assert_array_equal(trace.step(i).selected, routing.selected)
+        assert (trace.n_drafted[i], trace.n_accepted[i]) == (routing.n_drafted, routing.n_accepted)
+
+
+def test_replay_makes_the_live_plans(live_run):
+    trace, policy, calls = live_run
+    replay = make_policy("moe-spac")
+    ctx = policy.ctx
+    replay.reset(PolicyContext(ctx.n_layer, ctx.n_expert, ctx.top_k, ctx.capacity, ctx.gamma))
+    step = 0
+    for routing, resident, feedback, live_plan in calls:
+        if routing is not None:
+            routing = trace.step(step)  # from the file, as the simulator reads it
+            observe(replay, routing, trace.n_expert)
+            step += 1
+        plan = replay.plan(routing, resident, feedback)
+        np.testing.assert_array_equal(plan.utility, live_plan.utility)
+        np.testing.assert_array_equal(plan.threshold, live_plan.threshold)
+
+
+def test_simulator_replays_the_recorded_trace(live_run):
+    trace, policy, _ = live_run
+    sim = Simulator(trace, SimConfig(capacity=policy.ctx.capacity, draft=None))
+    for name in ("moe-spac", "static", "lru", "oracle"):
+        result = sim.run(make_policy(name))
+        assert result.tokens == trace.n_generated and 0.0 <= result.hit_rate <= 1.0
+
+
+def test_trace_record_command(live_run, tmp_path, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from orchestrator.sim.cli import trace_app
+    from orchestrator.sim.trace import read_trace
+
+    monkeypatch.setenv("SPAC_CACHE_DIR", str(tmp_path))  # calibration cache
+    target = make_random_model(tmp_path / "target.gguf", CFG, seed=1)
+    draft = make_random_model(tmp_path / "draft.gguf", CFG, seed=1, quant="q4_0")
+    app = typer.Typer()
+    app.add_typer(trace_app, name="trace")
+    out = tmp_path / "cli.npz"
+    r = CliRunner().invoke(app, ["trace", "record", str(out), "--prompt", "hello there", "--prompt", "abc",
+                                 "-m", str(target), "-md", str(draft), "--draft-max", "4", "-n", "16",
+                                 "-t", "1", "-c", "512"])
+    assert r.exit_code == 0, r.output
+    t = read_trace(out)
+    assert t.n_steps > 0 and t.meta["gamma"] == 4 and (t.n_drafted <= 4).all()
+    r = CliRunner().invoke(app, ["trace", "record", str(out)])
+    assert r.exit_code != 0
