@@ -254,7 +254,11 @@ def chat(
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            answer = _answer(console, session, messages, n_predict, stop or (), sampling)
+            try:
+                answer = _answer(console, session, messages, n_predict, stop or (), sampling)
+            except KeyboardInterrupt:  # before the first token: back to the prompt all the same
+                console.print("[dim]interrupted[/]")
+                answer = ""
             messages.append({"role": "assistant", "content": answer})
     finally:
         session.close()

@@ -366,6 +366,8 @@ class Session:
         self.chat_template = ChatTemplate.from_model(self.target)
         if cfg.engine is not False and self.target.n_expert:
             self._open_engine(cfg)
+        elif cfg.engine and not self.target.n_expert:
+            self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
 
     def _model(self, path, n_gpu_layers: int) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, use_extra_bufts=self.cfg.use_extra_bufts, verbose=self.cfg.verbose)
