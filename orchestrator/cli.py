@@ -187,7 +187,7 @@ def generate(
     sampling = _sampling(temp, top_k, top_p, seed)
     try:
         if not json_out:
-            err.print(f"[dim]{_describe(session)}[/]")
+            err.print(f"[dim]{_describe(session)}[/]", soft_wrap=True)
         chunks = session.generate(prompt, n_predict, stop or (), sampling)
         try:
             for chunk in chunks:
@@ -206,7 +206,7 @@ def generate(
             sys.stdout.write(json.dumps(out) + "\n")
         else:
             sys.stdout.write("\n")
-            err.print(f"[dim]{m.summary()}[/]")
+            err.print(f"[dim]{m.summary()}[/]", soft_wrap=True)
     finally:
         session.close()
 
@@ -256,6 +256,8 @@ def chat(
             messages.append({"role": "user", "content": line})
             try:
                 answer = _answer(console, session, messages, n_predict, stop or (), sampling)
+                if not console.is_terminal:  # a terminal's Live leaves the cursor on a new line
+                    console.print()
             except KeyboardInterrupt:  # before the first token: back to the prompt all the same
                 console.print("[dim]interrupted[/]")
                 answer = ""

@@ -135,6 +135,30 @@ def test_default_models_from_manifest(tmp_path):
     assert default_models(tmp_path) == (tmp_path / "target.gguf", tmp_path / "draft-q4_0.gguf")
 
 
+def test_no_model_arguments_use_the_manifest(models, tmp_path, monkeypatch):
+    import shutil
+
+    from orchestrator import models as shipped
+
+    target, draft = models
+    shutil.copy(target, tmp_path / "t.gguf")
+    shutil.copy(draft, tmp_path / "d.gguf")
+    (tmp_path / "MANIFEST.json").write_text(json.dumps({"default_draft": "draft-q8_0", "files": [
+        {"file": "t.gguf", "role": "target"}, {"file": "d.gguf", "role": "draft-q8_0"}]}))
+    monkeypatch.setattr(shipped, "MODELS_DIR", tmp_path)
+    r = runner.invoke(app, ["generate", "x = ", "-n", "8", "--json", "-t", "1", "--no-engine"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["model"] == str(tmp_path / "t.gguf") and out["draft"] == str(tmp_path / "d.gguf")
+    # -m naming the shipped target without -md takes the shipped draft too
+    r = runner.invoke(app, ["generate", "x = ", "-n", "4", "--json", "-t", "1", "--no-engine",
+                            "-m", str(tmp_path / "t.gguf")])
+    assert json.loads(r.stdout.strip().splitlines()[-1])["mode"] == "speculative"
+    monkeypatch.setattr(shipped, "MODELS_DIR", tmp_path / "nothing")
+    r = runner.invoke(app, ["generate", "x = ", "--no-engine"])
+    assert r.exit_code == 2 and "no shipped default models" in r.stderr
+
+
 @pytest.mark.skipif(not (ROOT / "models" / "MANIFEST.json").exists(), reason="no embedded default models yet")
 def test_generate_with_no_model_arguments():
     r = runner.invoke(app, ["generate", "def fibonacci(n):", "-n", "8", "--json", "-t", "1"])
