@@ -6,7 +6,7 @@
 2. Routing (PyTorch, held-out windows): per-layer usage entropy, dead experts, and
    P(an expert chosen at token t is chosen again within t+1..t+w) vs a uniform random
    router and vs the same routing shuffled in time. Also writes a routing profile
-   (usage counts on training text) for the hot-expert draft.
+   (usage counts on training text) and from it the hot-expert drafts draft-hot{N}-f16.gguf.
 3. Greedy acceptance at gamma = 4 and 8 of each draft GGUF on held-out prompts: the target's
    greedy continuation is the reference; a step drafts gamma tokens from the accepted prefix,
    accepts the longest matching prefix, then takes the target's token.
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train_tiny_moe import LM, eval_windows  # noqa: E402
 
 from orchestrator import models  # noqa: E402
+from orchestrator.gguf_export import hot_experts, slice_experts  # noqa: E402
 
 
 def load_torch(path: Path) -> LM:
@@ -151,7 +152,7 @@ def acceptance(draft, prompts: list[list[int]], conts: list[list[int]], gamma: i
                 drafted=drafted, accepted=accepted, verify_steps=steps)
 
 
-def token_latency(llm, prompt: list[int], n: int = 32) -> float:
+def token_latency(llm, prompt: list[int], n: int = 16) -> float:
     llm.reset()
     llm.eval(prompt)
     t = time.perf_counter()
@@ -168,6 +169,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--cont-len", type=int, default=32)
     ap.add_argument("--drafts", nargs="*", default=None, help="draft GGUF names in --gguf (default: all)")
+    ap.add_argument("--hot-keep", type=int, nargs="*", default=[8, 16], help="hot-expert drafts to make")
     args = ap.parse_args()
     torch.set_num_threads(2)
     gdir = args.gguf or args.run / "gguf"
@@ -180,15 +182,17 @@ def main() -> None:
                           ("target-f32.gguf", "target-f16.gguf") if (gdir / name).exists()]
     print(json.dumps(report["fidelity"], indent=1), flush=True)
 
-    report["routing"] = routing_report(target, eval_windows(val, 128, 256))
+    report["routing"] = routing_report(target, eval_windows(val, 64, 256))
     for row in report["routing"]["layers"]:
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    prof = routing_profile(target, eval_windows(train, 256, 256))
+    prof = routing_profile(target, eval_windows(train, 128, 256))
     np.save(args.run / "routing_profile.npy", prof)
+    for n_keep in args.hot_keep:  # SpecMoE hot-expert self-drafts from the profile
+        slice_experts(gdir / "target-f16.gguf", gdir / f"draft-hot{n_keep}-f16.gguf", hot_experts(prof, n_keep))
 
     starts = np.linspace(0, len(val) - args.prompt_len - 1, args.prompts).astype(int)
     prompts = [val[s:s + args.prompt_len].tolist() for s in starts]
-    n_ctx = args.prompt_len + args.cont_len + 16
+    n_ctx = args.prompt_len + args.cont_len + 32
     tgt = load_llama(gdir / "target-f16.gguf", n_ctx=n_ctx, f32_kv=False)
     conts = [greedy_continuation(tgt, p, args.cont_len) for p in prompts]
     report["target_token_latency_ms"] = 1e3 * token_latency(tgt, prompts[0])
