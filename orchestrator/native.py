@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint8, c_uint64, c_void_p
+from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
 import numpy as np
 
@@ -61,7 +61,7 @@ def _bind():
         return f
 
     ctx_p, eng_p = c_void_p, c_void_p
-    i32p, u8p = POINTER(c_int32), POINTER(c_uint8)
+    i32p = POINTER(c_int32)
     return {
         "default_params": fn("spac_engine_default_params", SpacEngineParams),
         "create": fn("spac_engine_create", eng_p, ctx_p, POINTER(SpacEngineParams), c_char_p, c_size_t),
@@ -69,7 +69,9 @@ def _bind():
         "n_moe_layers": fn("spac_engine_n_moe_layers", c_int32, eng_p),
         "n_expert": fn("spac_engine_n_expert", c_int32, eng_p),
         "n_expert_used": fn("spac_engine_n_expert_used", c_int32, eng_p),
-        "set_plan": fn("spac_engine_set_plan", c_int32, eng_p, u8p, i32p, i32p, c_int32, i32p, c_int32, c_char_p, c_size_t),
+        # arrays go in as plain addresses: the Python wrapper checks dtype and shape first
+        "set_plan": fn("spac_engine_set_plan", c_int32, eng_p, c_void_p, c_void_p, c_void_p, c_int32, c_void_p, c_int32,
+                       c_char_p, c_size_t),
         "wait_idle": fn("spac_engine_wait_idle", c_int32, eng_p, c_int32),
         "get_stats": fn("spac_engine_get_stats", None, eng_p, POINTER(SpacEngineStats)),
         "reset_stats": fn("spac_engine_reset_stats", None, eng_p),
@@ -77,8 +79,8 @@ def _bind():
         "routing_enable": fn("spac_routing_enable", None, ctx_p, c_bool),
         "routing_n_tokens": fn("spac_routing_n_tokens", c_int32, ctx_p),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
-        "routing_ids": fn("spac_routing_ids", i32p, ctx_p),
-        "routing_weights": fn("spac_routing_weights", POINTER(c_float), ctx_p),
+        "routing_ids": fn("spac_routing_ids", c_void_p, ctx_p),
+        "routing_weights": fn("spac_routing_weights", c_void_p, ctx_p),
     }
 
 
@@ -113,6 +115,8 @@ class Routing:
         self.n_expert_used = n_expert_used
         lib()["routing_enable"](self._ctx, True)
         self.n_moe_layers = int(lib()["routing_n_moe_layers"](self._ctx))
+        self._key = None
+        self._views = None
 
     def last(self) -> tuple[np.ndarray, np.ndarray]:
         """ids int32 and weights float32, both [n_moe_layers, n_tokens, n_expert_used].
@@ -120,12 +124,20 @@ class Routing:
         Views of the context's buffer, valid until its next decode: copy to keep them.
         """
         n_tokens = int(lib()["routing_n_tokens"](self._ctx))
-        shape = (self.n_moe_layers, n_tokens, self.n_expert_used)
-        if n_tokens == 0:
-            return np.zeros(shape, np.int32), np.zeros(shape, np.float32)
-        ids = np.ctypeslib.as_array(lib()["routing_ids"](self._ctx), shape=shape)
-        weights = np.ctypeslib.as_array(lib()["routing_weights"](self._ctx), shape=shape)
-        return ids, weights
+        ids_addr = lib()["routing_ids"](self._ctx)
+        w_addr = lib()["routing_weights"](self._ctx)
+        key = (n_tokens, ids_addr, w_addr)
+        if key != self._key:  # the buffers moved or changed size: new views (else reuse, no copy)
+            shape = (self.n_moe_layers, n_tokens, self.n_expert_used)
+            if n_tokens == 0 or not ids_addr:
+                self._views = np.zeros(shape, np.int32), np.zeros(shape, np.float32)
+            else:
+                n = int(np.prod(shape))
+                ids = np.frombuffer((ctypes.c_int32 * n).from_address(ids_addr), dtype=np.int32).reshape(shape)
+                w = np.frombuffer((ctypes.c_float * n).from_address(w_addr), dtype=np.float32).reshape(shape)
+                self._views = ids, w
+            self._key = key
+        return self._views
 
     def disable(self) -> None:
         lib()["routing_enable"](self._ctx, False)
@@ -159,24 +171,28 @@ class ExpertEngine:
         self.n_moe_layers = int(lib()["n_moe_layers"](self._eng))
         self.n_expert = int(lib()["n_expert"](self._eng))
         self.n_expert_used = int(lib()["n_expert_used"](self._eng))
+        self._shape = (self.n_moe_layers, self.n_expert)
         self._err = err
 
     def set_plan(self, plan: Plan) -> None:
         """Hand one step's plan to the copy engine (returns at once; copies run in the background)."""
-        shape = (self.n_moe_layers, self.n_expert)
-        utility = np.asarray(plan.utility)
-        threshold = np.asarray(plan.threshold)
-        if utility.shape != shape or utility.dtype != np.uint8:
-            raise ValueError(f"plan.utility must be uint8 {shape}, got {utility.dtype} {utility.shape}")
-        if threshold.shape != (self.n_moe_layers,) or threshold.dtype != np.int32:
-            raise ValueError(f"plan.threshold must be int32 ({self.n_moe_layers},), got {threshold.dtype} {threshold.shape}")
-        utility = np.ascontiguousarray(utility)
-        threshold = np.ascontiguousarray(threshold)
-        prefetch, n_prefetch = _pairs(plan.prefetch, "prefetch")
-        evict, n_evict = _pairs(plan.evict, "evict")
-        rc = lib()["set_plan"](self._eng, utility.ctypes.data_as(POINTER(c_uint8)),
-                               threshold.ctypes.data_as(POINTER(c_int32)),
-                               prefetch, n_prefetch, evict, n_evict, self._err, _ERR_LEN)
+        utility, threshold = plan.utility, plan.threshold
+        if not (isinstance(utility, np.ndarray) and utility.dtype == np.uint8 and utility.shape == self._shape):
+            raise ValueError(f"plan.utility must be uint8 {self._shape}, got "
+                             f"{getattr(utility, 'dtype', type(utility))} {getattr(utility, 'shape', '')}")
+        if not (isinstance(threshold, np.ndarray) and threshold.dtype == np.int32
+                and threshold.shape == (self.n_moe_layers,)):
+            raise ValueError(f"plan.threshold must be int32 ({self.n_moe_layers},), got "
+                             f"{getattr(threshold, 'dtype', type(threshold))} {getattr(threshold, 'shape', '')}")
+        if not (utility.flags.c_contiguous and threshold.flags.c_contiguous):
+            utility, threshold = np.ascontiguousarray(utility), np.ascontiguousarray(threshold)
+        prefetch = _pairs(plan.prefetch, "prefetch")
+        evict = _pairs(plan.evict, "evict")
+        rc = lib()["set_plan"](self._eng, utility.ctypes.data, threshold.ctypes.data,
+                               prefetch.ctypes.data if prefetch is not None else None,
+                               len(prefetch) if prefetch is not None else 0,
+                               evict.ctypes.data if evict is not None else None,
+                               len(evict) if evict is not None else 0, self._err, _ERR_LEN)
         if rc != 0:
             raise ValueError(self._err.value.decode(errors="replace"))
 
@@ -186,7 +202,9 @@ class ExpertEngine:
     def stats(self) -> dict:
         s = SpacEngineStats()
         lib()["get_stats"](self._eng, ctypes.byref(s))
-        return {name: getattr(s, name) for name, _ in SpacEngineStats._fields_}
+        out = {name: getattr(s, name) for name, _ in SpacEngineStats._fields_}
+        out["resident_per_layer"] = (self.residency() >= 0).sum(axis=1).tolist()
+        return out
 
     def reset_stats(self) -> None:
         lib()["reset_stats"](self._eng)
@@ -214,13 +232,10 @@ class ExpertEngine:
         pass
 
 
-def _pairs(rows, what: str):
+def _pairs(rows, what: str) -> np.ndarray | None:
     if rows is None:
-        return None, 0
+        return None
     arr = np.ascontiguousarray(rows, dtype=np.int32)
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ValueError(f"plan.{what} must be int32 [n, 2] (layer, expert) rows, got shape {arr.shape}")
-    # keep the array alive for the duration of the call through the returned pointer's _arr
-    ptr = arr.ctypes.data_as(POINTER(c_int32))
-    ptr._arr = arr
-    return ptr, int(arr.shape[0])
+    return arr

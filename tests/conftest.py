@@ -21,17 +21,19 @@ def llama_lib_dir() -> Path:
     return Path(spec.submodule_search_locations[0]) / "lib"
 
 
-def compile_native(sources: list[Path], name: str, cxx: bool = False, libs=("ggml", "ggml-base", "ggml-cpu")) -> Path:
+def compile_native(sources: list[Path], name: str, cxx: bool = False, libs=("ggml", "ggml-base", "ggml-cpu"),
+                   extra=()) -> Path:
     """Compile a test program against the installed patched libraries; cached by content."""
     lib_dir = llama_lib_dir()
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + str(lib_dir).encode()).hexdigest()[:12]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources) + str(lib_dir).encode()
+                         + str(extra).encode()).hexdigest()[:12]
     out = NATIVE_BUILD / f"{name}-{key}"
     if out.exists():
         return out
     NATIVE_BUILD.mkdir(parents=True, exist_ok=True)
     compiler = ["g++", "-std=c++17"] if cxx else ["gcc", "-std=c11"]
     cmd = [*compiler, "-O2", "-Wall", *map(str, sources), "-o", str(out),
-           f"-I{LLAMA_CPP_TREE / 'ggml' / 'include'}", f"-I{LLAMA_CPP_TREE / 'include'}",
+           f"-I{LLAMA_CPP_TREE / 'ggml' / 'include'}", f"-I{LLAMA_CPP_TREE / 'include'}", *extra,
            f"-L{lib_dir}", *(f"-l{lib}" for lib in libs), f"-Wl,-rpath,{lib_dir}", "-lm", "-lpthread"]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
