@@ -221,3 +221,29 @@ def test_create_free_does_not_leak(models):
     finally:
         ctx.close()
         model.close()
+
+
+SHIPPED = ["spac-tiny-moe-f16.gguf", "spac-tiny-moe-q4_0.gguf"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_split_is_bit_identical_on_shipped_models(name, threads):
+    """The embedded trained target and its Q4_0 self-draft (both qwen3moe)."""
+    from conftest import ROOT
+
+    path = ROOT / "models" / name
+    model = Model(path, use_extra_bufts=False)
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=threads)
+    try:
+        reference = run_sequence(ctx)
+        rng = np.random.default_rng(threads)
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.3) as engine:
+            for _ in range(20):
+                engine.set_plan(random_plan(rng, engine.n_moe_layers, engine.n_expert))
+                assert engine.wait_idle()
+                assert run_sequence(ctx).tobytes() == reference.tobytes()
+            assert engine.stats()["n_expert_tokens_device"] > 0
+    finally:
+        ctx.close()
+        model.close()
