@@ -1,21 +1,24 @@
 """The expert pool on a real second device: the ggml RPC backend on 127.0.0.1.
 
-A server process (started here) exposes its CPU as an RPC device; this process registers it,
-so llama.cpp sees two devices and the pool lives in the server's memory. Uploads go through
-the device API (RPC set_tensor), the pool half of every MoE layer is computed by the server.
+A server process exposes its CPU as an RPC device; a client process registers it, so llama.cpp
+sees two devices and the pool lives in the server's memory. Uploads go through the device API
+(RPC set_tensor), the pool half of every MoE layer is computed by the server. The client runs
+in its own process too: a registered RPC device cannot be unregistered, and once its server is
+gone every later model load in the process would try to reach it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
-import pytest
 
 from orchestrator.gguf_export import make_random_model
 from orchestrator.native import ggml_library
@@ -46,7 +49,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@contextlib.contextmanager
 def rpc_device():
     """Start the server, register it in this process, return the RPC device's name."""
     endpoint = f"127.0.0.1:{free_port()}"
@@ -81,7 +84,7 @@ def rpc_device():
         proc.wait()
 
 
-def test_pool_on_rpc_device_matches_feature_off(rpc_device, tmp_path):
+def check_pool_on_rpc_device(rpc_device, tmp_path):
     from orchestrator.llm import Context, Model
     from orchestrator.native import ExpertEngine
 
@@ -107,3 +110,16 @@ def test_pool_on_rpc_device_matches_feature_off(rpc_device, tmp_path):
     finally:
         ctx.close()
         model.close()
+
+
+def test_pool_on_rpc_device_matches_feature_off(tmp_path):
+    res = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "rpc check passed" in res.stdout
+
+
+if __name__ == "__main__":
+    with rpc_device() as device:
+        check_pool_on_rpc_device(device, Path(sys.argv[1]))
+    print("rpc check passed")
