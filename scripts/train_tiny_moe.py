@@ -68,9 +68,9 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    max_steps: int = 450
+    max_steps: int = 1000
     draft_steps: int = 150
-    eval_every: int = 150
+    eval_every: int = 250
     eval_windows: int = 64  # during training
     final_eval_windows: int = 256
 
