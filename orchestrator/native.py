@@ -227,10 +227,6 @@ class ExpertEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        # a context must outlive its engine: owners close explicitly, this is a last resort
-        pass
-
 
 def _pairs(rows, what: str) -> np.ndarray | None:
     if rows is None:
