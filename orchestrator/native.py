@@ -16,6 +16,7 @@ import numpy as np
 from orchestrator.plan import Plan
 
 _ERR_LEN = 512
+_UINT8, _INT32 = np.dtype(np.uint8), np.dtype(np.int32)
 
 
 class SpacEngineParams(ctypes.Structure):
@@ -77,11 +78,16 @@ def _bind():
         "reset_stats": fn("spac_engine_reset_stats", None, eng_p),
         "get_residency": fn("spac_engine_get_residency", None, eng_p, i32p),
         "routing_enable": fn("spac_routing_enable", None, ctx_p, c_bool),
-        "routing_n_tokens": fn("spac_routing_n_tokens", c_int32, ctx_p),
+        "routing_get": fn("spac_routing_get", c_int32, ctx_p, POINTER(c_void_p), POINTER(c_void_p)),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
-        "routing_ids": fn("spac_routing_ids", c_void_p, ctx_p),
-        "routing_weights": fn("spac_routing_weights", c_void_p, ctx_p),
     }
+
+
+def _unchecked(f, restype):
+    """The same C function without argtypes: called with ctypes objects made once, it skips the
+    per-argument conversion, which costs µs per call right after a decode has evicted the caches."""
+    g = ctypes.CFUNCTYPE(restype)(ctypes.cast(f, c_void_p).value)
+    return g
 
 
 _lib: dict | None = None
@@ -117,17 +123,18 @@ class Routing:
         self.n_moe_layers = int(lib()["routing_n_moe_layers"](self._ctx))
         self._key = None
         self._views = None
+        self._get = _unchecked(lib()["routing_get"], c_int32)  # runs every step: ready-made arguments
+        self._ids_addr, self._w_addr = c_void_p(), c_void_p()
+        self._get_args = (self._ctx, ctypes.pointer(self._ids_addr), ctypes.pointer(self._w_addr))
 
     def last(self) -> tuple[np.ndarray, np.ndarray]:
         """ids int32 and weights float32, both [n_moe_layers, n_tokens, n_expert_used].
 
         Views of the context's buffer, valid until its next decode: copy to keep them.
         """
-        n_tokens = int(lib()["routing_n_tokens"](self._ctx))
-        ids_addr = lib()["routing_ids"](self._ctx)
-        w_addr = lib()["routing_weights"](self._ctx)
-        key = (n_tokens, ids_addr, w_addr)
+        key = (self._get(*self._get_args), self._ids_addr.value, self._w_addr.value)
         if key != self._key:  # the buffers moved or changed size: new views (else reuse, no copy)
+            n_tokens, ids_addr, w_addr = key
             shape = (self.n_moe_layers, n_tokens, self.n_expert_used)
             if n_tokens == 0 or not ids_addr:
                 self._views = np.zeros(shape, np.int32), np.zeros(shape, np.float32)
@@ -173,47 +180,69 @@ class ExpertEngine:
         self.n_expert_used = int(lib()["n_expert_used"](self._eng))
         self._shape = (self.n_moe_layers, self.n_expert)
         self._err = err
+        # staging arrays with fixed addresses: a step copies its plan in (6 KB at 48 x 128) instead
+        # of asking numpy for each array's pointer, which costs tens of µs when caches are cold
+        self._utility = np.zeros(self._shape, np.uint8)
+        self._threshold = np.ones(self.n_moe_layers, np.int32)
+        self._set_plan = lib()["set_plan"]
+        self._plan_args = (self._eng, self._utility.ctypes.data, self._threshold.ctypes.data)
+        # the per-step call with ready-made ctypes arguments and no argument conversion
+        self._set_plan_fast = _unchecked(self._set_plan, c_int32)
+        self._fast_args = tuple(c_void_p(a) for a in self._plan_args) + (
+            c_void_p(None), c_int32(0), c_void_p(None), c_int32(0), self._err, c_size_t(_ERR_LEN))
 
     def set_plan(self, plan: Plan) -> None:
         """Hand one step's plan to the copy engine (returns at once; copies run in the background)."""
+        if self._eng is None:
+            raise NativeError("the engine is closed")
         utility, threshold = plan.utility, plan.threshold
-        if not (isinstance(utility, np.ndarray) and utility.dtype == np.uint8 and utility.shape == self._shape):
-            raise ValueError(f"plan.utility must be uint8 {self._shape}, got "
-                             f"{getattr(utility, 'dtype', type(utility))} {getattr(utility, 'shape', '')}")
-        if not (isinstance(threshold, np.ndarray) and threshold.dtype == np.int32
-                and threshold.shape == (self.n_moe_layers,)):
-            raise ValueError(f"plan.threshold must be int32 ({self.n_moe_layers},), got "
-                             f"{getattr(threshold, 'dtype', type(threshold))} {getattr(threshold, 'shape', '')}")
-        if not (utility.flags.c_contiguous and threshold.flags.c_contiguous):
-            utility, threshold = np.ascontiguousarray(utility), np.ascontiguousarray(threshold)
-        prefetch = _pairs(plan.prefetch, "prefetch")
-        evict = _pairs(plan.evict, "evict")
-        rc = lib()["set_plan"](self._eng, utility.ctypes.data, threshold.ctypes.data,
-                               prefetch.ctypes.data if prefetch is not None else None,
-                               len(prefetch) if prefetch is not None else 0,
-                               evict.ctypes.data if evict is not None else None,
-                               len(evict) if evict is not None else 0, self._err, _ERR_LEN)
+        # identity checks on the dtype singletons are the cheap test that runs every step
+        if not (getattr(utility, "dtype", None) is _UINT8 and getattr(threshold, "dtype", None) is _INT32
+                and utility.shape == self._shape and threshold.shape == self._threshold.shape):
+            self._check_plan_arrays(utility, threshold)
+        self._utility[...] = utility
+        self._threshold[...] = threshold
+        if plan.prefetch is None and plan.evict is None:  # the utility-driven plans of MoE-SpAc
+            rc = self._set_plan_fast(*self._fast_args)
+        else:
+            prefetch, evict = _pairs(plan.prefetch, "prefetch"), _pairs(plan.evict, "evict")
+            rc = self._set_plan(*self._plan_args,
+                                prefetch.ctypes.data if prefetch is not None else None,
+                                len(prefetch) if prefetch is not None else 0,
+                                evict.ctypes.data if evict is not None else None,
+                                len(evict) if evict is not None else 0, self._err, _ERR_LEN)
         if rc != 0:
             raise ValueError(self._err.value.decode(errors="replace"))
 
+    def _check_plan_arrays(self, utility, threshold) -> None:
+        if not (getattr(utility, "dtype", None) == _UINT8 and getattr(threshold, "dtype", None) == _INT32
+                and utility.shape == self._shape and threshold.shape == self._threshold.shape):
+            raise ValueError(f"plan.utility must be uint8 {self._shape} and plan.threshold int32 "
+                             f"({self.n_moe_layers},), got {_describe(utility)} and {_describe(threshold)}")
+
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
-        return bool(lib()["wait_idle"](self._eng, int(timeout_s * 1000)))
+        return bool(lib()["wait_idle"](self._live(), int(timeout_s * 1000)))
 
     def stats(self) -> dict:
         s = SpacEngineStats()
-        lib()["get_stats"](self._eng, ctypes.byref(s))
+        lib()["get_stats"](self._live(), ctypes.byref(s))
         out = {name: getattr(s, name) for name, _ in SpacEngineStats._fields_}
         out["resident_per_layer"] = (self.residency() >= 0).sum(axis=1).tolist()
         return out
 
     def reset_stats(self) -> None:
-        lib()["reset_stats"](self._eng)
+        lib()["reset_stats"](self._live())
 
     def residency(self) -> np.ndarray:
         """int32 [n_moe_layers, n_expert]: pool slot of each resident expert, -1 elsewhere."""
         out = np.empty((self.n_moe_layers, self.n_expert), dtype=np.int32)
-        lib()["get_residency"](self._eng, out.ctypes.data_as(POINTER(c_int32)))
+        lib()["get_residency"](self._live(), out.ctypes.data_as(POINTER(c_int32)))
         return out
+
+    def _live(self) -> int:
+        if self._eng is None:
+            raise NativeError("the engine is closed")
+        return self._eng
 
     def close(self) -> None:
         """Stop the copy worker and free the pool; the context runs unsplit again."""
@@ -226,6 +255,10 @@ class ExpertEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _describe(arr) -> str:
+    return f"{getattr(arr, 'dtype', type(arr).__name__)} {getattr(arr, 'shape', '')}"
 
 
 def _pairs(rows, what: str) -> np.ndarray | None:
