@@ -3,6 +3,7 @@
 
     python scripts/build_native.py            # CPU + RPC (the test build)
     python scripts/build_native.py --cuda --cuda-arch 86
+    python scripts/build_native.py --stock    # unpatched llama.cpp's llama-simple, for load checks
 
 Steps: get the sdist pinned in vendor/llama-cpp-python.lock (pip download, sha256 checked),
 extract it to vendor/llama-cpp-python/ as a git repo with one commit per applied patch,
@@ -87,16 +88,21 @@ def cmake_args(args: argparse.Namespace) -> list[str]:
     out = list(BASE_CMAKE_ARGS)
     if args.rpc:
         out.append("-DGGML_RPC=ON")
-    if _cpu_has_amx():
-        # ggml-cpu's AMX matmul segfaults on some AMX machines (upstream issue 20824, no fix);
-        # -march=native would compile it in, so turn the AMX instructions off explicitly
-        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-        out += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+    out += no_amx_args()
     if args.cuda:
         # "native" would need a GPU at build time; an explicit list builds anywhere nvcc exists
         out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}"]
     out += args.cmake_arg
     return out
+
+
+def no_amx_args() -> list[str]:
+    """ggml-cpu's AMX matmul segfaults on some AMX machines (upstream issue 20824, no fix);
+    -march=native would compile it in, so turn the AMX instructions off explicitly."""
+    if not _cpu_has_amx():
+        return []
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
 
 
 def _cpu_has_amx() -> bool:
@@ -237,6 +243,36 @@ def _extract(sdist: Path, sha: str, tree: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
+    """Build upstream's `llama-simple` from the pinned sdist with no patch applied: the proof
+    that the GGUF files spac writes load in stock llama.cpp. Cached; prints nothing when done."""
+    cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+             *no_amx_args()]
+    key = hashlib.sha256(json.dumps([lock["sha256"], cmake]).encode()).hexdigest()[:10]
+    out = VENDOR / "build" / f"stock-{key}"
+    exe = out / "bin" / "llama-simple"
+    if exe.exists():
+        return exe
+    sdist = fetch_sdist(lock, python, sdist)
+    src = out / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    log(f"building stock llama.cpp's llama-simple in {out.relative_to(ROOT)}")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(src, filter="data")
+    (top,) = list(src.iterdir())
+    for cmd in (["cmake", "-S", str(top / LLAMA_CPP_DIR), "-B", str(out), *cmake],
+                ["cmake", "--build", str(out), "--target", "llama-simple", "-j", str(os.cpu_count() or 1)]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    shutil.rmtree(src, ignore_errors=True)
+    if not exe.exists():
+        raise BuildError(f"the stock build produced no {exe}")
+    return exe
+
+
 def apply_patches(patches: list[Path], tree: Path = TREE) -> None:
     """`git apply --check`, then apply and commit, every patch in order.
 
@@ -307,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
     ap.add_argument("--check-patches", action="store_true",
                     help="only check that the series applies to a fresh extract (in a temp dir), then stop")
+    ap.add_argument("--stock", action="store_true",
+                    help="build unpatched llama.cpp's llama-simple (cached under vendor/build/) and print its path")
     ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
     ap.add_argument("--export-patches", action="store_true",
                     help="write the commits of vendor/llama-cpp-python back to ggml-patches/")
@@ -318,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
             export_patches()
             return 0
         lock = read_lock()
+        if args.stock:
+            print(build_stock(lock, args.python, args.sdist))
+            return 0
         patches = read_series(args.patches_dir)
         if args.check_patches:
             sdist = fetch_sdist(lock, args.python, args.sdist)
