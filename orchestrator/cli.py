@@ -328,8 +328,9 @@ def calibrate(
 
 def _mount_subcommands() -> None:
     """Command groups owned by other parts of spac, mounted when their module exists:
-    `spac sim ...` and `spac trace ...` (typer apps `app` and `trace_app` in orchestrator.sim.cli)."""
-    for name, module, attr in (("sim", "orchestrator.sim.cli", "app"), ("trace", "orchestrator.sim.cli", "trace_app")):
+    `spac sim ...`, `spac trace ...` (orchestrator.sim.cli) and `spac draft ...` (orchestrator.drafts)."""
+    for name, module, attr in (("sim", "orchestrator.sim.cli", "app"), ("trace", "orchestrator.sim.cli", "trace_app"),
+                               ("draft", "orchestrator.drafts", "app")):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

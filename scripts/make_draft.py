@@ -1,73 +1,14 @@
-"""Make a self-draft of a MoE GGUF (later `spac draft`).
+"""Make a self-draft of a MoE GGUF; the same commands as `spac draft` (orchestrator/drafts.py).
 
-    # MoE-SpeQ: a low-bit copy of the target
     python scripts/make_draft.py quantized target.gguf draft-q4_0.gguf --type q4_0
-
-    # SpecMoE: same architecture, keeping per layer the N experts most used in a routing profile
     python scripts/make_draft.py hot-experts target.gguf draft-hot8.gguf --profile usage.npy --keep 8
-
-A routing profile is a .npy of expert usage counts int [n_layer, n_expert], or a .npz with
-"selected" int [n_tokens, n_layer, top_k] (the routing of verify passes, as in StepRouting).
 """
-
-from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import numpy as np
-import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.gguf_export import hot_experts, quantize_gguf, read_config, slice_experts  # noqa: E402
-
-app = typer.Typer(add_completion=False, help=__doc__)
-
-
-def load_profile(path: Path, n_expert: int) -> np.ndarray:
-    if path.suffix == ".npz":
-        sel = np.load(path)["selected"]
-        if sel.ndim != 3:
-            raise ValueError(f"'selected' must be [n_tokens, n_layer, top_k], got {sel.shape}")
-        prof = np.zeros((sel.shape[1], n_expert), dtype=np.int64)
-        for layer in range(sel.shape[1]):
-            prof[layer] = np.bincount(sel[:, layer].ravel(), minlength=n_expert)[:n_expert]
-        return prof
-    return np.load(path)
-
-
-@app.command()
-def quantized(src: Path, dst: Path, type: str = typer.Option("q4_0", "--type", help="q4_0, q8_0, q4_k_m, ...")):
-    """Low-bit copy of the target through llama.cpp's quantizer."""
-    try:
-        out = quantize_gguf(src, dst, type)
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
-
-
-@app.command("hot-experts")
-def hot_experts_cmd(src: Path, dst: Path, profile: Path = typer.Option(..., help=".npy counts or .npz routing"),
-                    keep: int = typer.Option(..., help="experts kept per layer")):
-    """Keep per layer the `keep` most-used experts; router rows sliced to match."""
-    try:
-        cfg = read_config(src)
-        prof = load_profile(profile, cfg.n_expert)
-        if prof.shape != (cfg.n_layer, cfg.n_expert):
-            raise ValueError(f"profile shape {prof.shape} != (n_layer, n_expert) = {(cfg.n_layer, cfg.n_expert)}")
-        ids = hot_experts(prof, keep)
-        covered = [prof[i, k].sum() / max(1, prof[i].sum()) for i, k in enumerate(ids)]
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn()) as bar:
-            task = bar.add_task("writing", total=src.stat().st_size)
-            out = slice_experts(src, dst, ids, progress=lambda name, n: bar.advance(task, n))
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB); kept {keep}/{cfg.n_expert} experts per layer, "
-               f"covering {min(covered):.0%}..{max(covered):.0%} of the profiled routing")
-
+from orchestrator.drafts import app  # noqa: E402
 
 if __name__ == "__main__":
     app()

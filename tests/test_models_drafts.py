@@ -91,11 +91,13 @@ def test_slice_bad_input(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
 
 
-def test_make_draft_script(tmp_path):
+@pytest.mark.parametrize("entry", ["script", "spac draft"])
+def test_make_draft_script(tmp_path, entry):
     src = make_random_model(tmp_path / "m.gguf", "qwen3moe", dtype="q8_0")
     prof = tmp_path / "p.npz"
     np.savez(prof, selected=np.random.default_rng(0).integers(0, 8, (100, 2, 2)))
-    script = [sys.executable, str(ROOT / "scripts" / "make_draft.py")]
+    script = ([sys.executable, str(ROOT / "scripts" / "make_draft.py")] if entry == "script"
+              else [sys.executable, "-m", "orchestrator.cli", "draft"])
     subprocess.run([*script, "hot-experts", str(src), str(tmp_path / "h.gguf"), "--profile", str(prof),
                     "--keep", "4"], check=True, capture_output=True)
     assert read_config(tmp_path / "h.gguf").n_expert == 4
