@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -68,8 +68,8 @@ def forward_ratios(path: Path, label: str, threads: int, repeats: int) -> None:
     engines[1].set_plan(Plan(np.full((L, E), 4, np.uint8), np.ones(L, np.int32)))
     engines[1].wait_idle(60)
     assert (engines[1].residency() >= 0).all()
-    times: dict[str, list[float]] = {"off": [], "cpu_side": [], "all_dev": []}
     contexts = {"off": off, "cpu_side": cpu_side, "all_dev": all_dev}
+    times: dict[str, list[float]] = {name: [] for name in contexts}
     for name, ctx in contexts.items():  # warm-up
         for _ in range(3):
             time_verify(ctx)

@@ -86,8 +86,7 @@ def _bind():
 def _unchecked(f, restype):
     """The same C function without argtypes: called with ctypes objects made once, it skips the
     per-argument conversion, which costs µs per call right after a decode has evicted the caches."""
-    g = ctypes.CFUNCTYPE(restype)(ctypes.cast(f, c_void_p).value)
-    return g
+    return ctypes.CFUNCTYPE(restype)(ctypes.cast(f, c_void_p).value)
 
 
 _lib: dict | None = None
@@ -193,8 +192,7 @@ class ExpertEngine:
 
     def set_plan(self, plan: Plan) -> None:
         """Hand one step's plan to the copy engine (returns at once; copies run in the background)."""
-        if self._eng is None:
-            raise NativeError("the engine is closed")
+        self._live()
         utility, threshold = plan.utility, plan.threshold
         # identity checks on the dtype singletons are the cheap test that runs every step
         if not (getattr(utility, "dtype", None) is _UINT8 and getattr(threshold, "dtype", None) is _INT32

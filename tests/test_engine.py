@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
-from orchestrator.gguf_export import make_random_model, tiny_config
+from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
 from orchestrator.llm import Context, Model
 from orchestrator.native import ExpertEngine, NativeError, Routing, ggml_library
 from orchestrator.plan import Plan
 
 from engine_common import PROMPT, model_config, run_sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_synthetic_moe import synthetic_tensors  # noqa: E402
 
 K_MAX = 4
 
@@ -192,14 +197,6 @@ def test_bad_arguments_are_errors_not_crashes(models, tmp_path):
 def test_model_with_a_repacked_router(tmp_path):
     """All 2-D tensors Q4_0, router included, loaded with CPU_REPACK: the router cannot be read
     back in file layout, so the file check falls back to the token embeddings (used to crash)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from make_synthetic_moe import synthetic_tensors
-
-    from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
-
     cfg = tiny_config("qwen3moe", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=16,
                       n_expert_used=4, n_ff_exp=256, n_vocab=512)
     paths = [tmp_path / f"q4_0-router-{seed}.gguf" for seed in (0, 1)]
