@@ -245,7 +245,7 @@ def _extract(sdist: Path, sha: str, tree: Path) -> None:
 
 def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
     """Build upstream's `llama-simple` from the pinned sdist with no patch applied: the proof
-    that the GGUF files spac writes load in stock llama.cpp. Cached; prints nothing when done."""
+    that the GGUF files spac writes load in stock llama.cpp. Cached under vendor/build/stock-<key>."""
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
              *no_amx_args()]
