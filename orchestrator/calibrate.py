@@ -21,6 +21,10 @@ T^u_draft and T^u_io of every step, which the policy smooths in.
 Results are cached per (target file, draft file, machine, device, threads, pool budget) in a
 JSON file (`cache_path()`: $SPAC_CACHE_DIR or the user cache dir, `spac/calibration.json`);
 `load_or_calibrate(force=True)` (`spac ... --recalibrate`) measures again.
+
+This module only measures: it drives the pool through the engine it is given and leaves it
+empty, and returns a value. What the pool holds afterwards, and which plan is in force, is the
+session's business (`Session._calibrate`).
 """
 
 from __future__ import annotations
@@ -94,13 +98,28 @@ def machine_id() -> str:
     return f"{platform.system()}-{platform.machine()}-{cpu}-{os.cpu_count()}cpu"
 
 
-def cache_key(session) -> str:
-    cfg = session.cfg
-    parts = [f"v{VERSION}", file_fingerprint(cfg.model),
-             file_fingerprint(cfg.draft) if session.draft is not None else "-",
-             machine_id(), cfg.device or "CPU", f"t{cfg.n_threads}",
-             f"b{cfg.budget_bytes or cfg.budget_ratio}", f"g{session.gamma}"]
-    return "|".join(parts)
+@dataclass(frozen=True)
+class Rig:
+    """What a measurement runs on: the target context with its engine and routing export, the
+    draft context if any, and the setup that keys the cache."""
+
+    engine: object            # native.ExpertEngine
+    routing: object           # native.Routing
+    ctx: object               # llm.Context of the target
+    draft_ctx: object | None  # llm.Context of the draft
+    model_path: Path
+    draft_path: Path | None
+    device: str
+    n_threads: int
+    budget: str               # the pool budget as configured (bytes or ratio)
+    gamma: int
+    k_max: int
+
+    def cache_key(self) -> str:
+        parts = [f"v{VERSION}", file_fingerprint(self.model_path),
+                 file_fingerprint(self.draft_path) if self.draft_path is not None else "-",
+                 machine_id(), self.device, f"t{self.n_threads}", f"b{self.budget}", f"g{self.gamma}"]
+        return "|".join(parts)
 
 
 def expert_bytes(model_path: str | Path) -> float:
@@ -124,28 +143,28 @@ def expert_bytes(model_path: str | Path) -> float:
     return total / n_expert_total
 
 
-def load_or_calibrate(session, force: bool = False, path: str | Path | None = None) -> Calibration:
-    """The cached calibration for this session's setup, or a fresh measurement (then cached)."""
+def load_or_calibrate(rig: Rig, force: bool = False, path: str | Path | None = None) -> Calibration:
+    """The cached calibration for this setup, or a fresh measurement (then cached)."""
     path = Path(path) if path else cache_path()
-    key = cache_key(session)
+    key = rig.cache_key()
     cache = _read(path)
     if not force and key in cache:
         try:
             return Calibration(**{**cache[key], "source": "cache"})
         except TypeError:
             pass  # written by another version: measure again
-    cal = measure(session)
+    cal = measure(rig)
     cache[key] = asdict(cal)
     _write(path, cache)
     return cal
 
 
-def measure(session, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> Calibration:
-    """Run the warm-up measurement on the session's contexts (their KV caches end up empty)."""
-    engine, routing, ctx = session.engine, session.routing, session.ctx
-    gamma = max(session.gamma, 1)
+def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> Calibration:
+    """Run the warm-up measurement (the KV caches and the pool end up empty)."""
+    engine, routing, ctx = rig.engine, rig.routing, rig.ctx
+    gamma = max(rig.gamma, 1)
     rng = np.random.default_rng(seed)
-    n_vocab = session.target.n_vocab
+    n_vocab = ctx.n_vocab
     n_layer, n_expert = engine.n_moe_layers, engine.n_expert
     stats0 = engine.stats()
     n_slots = int(stats0["n_slots"])
@@ -172,7 +191,7 @@ def measure(session, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> C
     np.put_along_axis(used, ids.reshape(n_layer, -1), True, axis=1)
     used_pairs = np.argwhere(used)
     order = rng.permutation(len(used_pairs))
-    k_max = session.cfg.k_max
+    k_max = rig.k_max
     rows, times = [], []
     for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
         n_res = min(int(round(frac * len(used_pairs))), n_slots)
@@ -202,27 +221,26 @@ def measure(session, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> C
     if not t_gpu > 0:
         t_gpu = t_cpu * n_act / max(len(used_pairs), 1)
 
-    w_e = expert_bytes(session.target.path)
+    w_e = expert_bytes(rig.model_path)
     n_copies = stats1["n_copies"] - stats0["n_copies"]
     if n_copies > 0:
         t_io = (stats1["copy_busy_us"] - stats0["copy_busy_us"]) * 1e-6 / n_copies
     else:
         t_io = w_e / host_copy_bandwidth()
 
-    t_draft = measure_draft(session, prefix, rng) if session.draft_ctx is not None else 0.0
+    t_draft = measure_draft(rig.draft_ctx, prefix, rng) if rig.draft_ctx is not None else 0.0
     return Calibration(t_cpu_unit=float(t_cpu), t_gpu_unit=float(t_gpu), t_io_unit=float(t_io),
                        expert_bytes=float(w_e), t_draft_token=float(t_draft),
                        t_total=float(np.median(times)) / n_layer, n_moe_layers=n_layer,
                        n_slots=n_slots, measured_at=time.time())
 
 
-def measure_draft(session, prefix: np.ndarray, rng: np.random.Generator, n: int = 8) -> float:
+def measure_draft(dctx, prefix: np.ndarray, rng: np.random.Generator, n: int = 8) -> float:
     """Median time of one single-token draft decode."""
-    dctx = session.draft_ctx
     dctx.clear()
     dctx.decode(prefix, logits_all=False)
     times = []
-    for t in rng.integers(0, session.draft.n_vocab, n):
+    for t in rng.integers(0, dctx.n_vocab, n):
         t0 = time.perf_counter()
         dctx.decode([int(t)], logits_all=False)
         times.append(time.perf_counter() - t0)

@@ -143,7 +143,7 @@ def _ablations(no_utility, no_adabc, no_balancer, no_prefetch, no_evict, no_sd):
 
 
 def _sampling(temp, top_k, top_p, seed):
-    from orchestrator.speculative import SamplingParams
+    from orchestrator.sampling import SamplingParams
 
     return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=None if seed < 0 else seed)
 

@@ -89,14 +89,15 @@ class Model:
         v = self.meta(f"{self.arch}.expert_count")
         return int(v) if v else 0
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """parse_special: special tokens written as text (as chat templates do) become tokens."""
         data = text.encode()
         n_max = len(data) + 16
         buf = (L.llama_token * n_max)()
-        n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, False)
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
         if n < 0:
             buf = (L.llama_token * -n)()
-            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, False)
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, -n, add_special, parse_special)
         return list(buf[:n])
 
     def piece(self, token: int) -> bytes:
@@ -115,6 +116,19 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    def bos_token(self) -> int:
+        return int(L.llama_vocab_bos(self.vocab))
+
+    def eos_token(self) -> int:
+        return int(L.llama_vocab_eos(self.vocab))
+
+    def chat_template(self) -> str | None:
+        """The GGUF's default chat template (`tokenizer.chat_template`), or None."""
+        ptr = L.llama_model_chat_template(self.ptr, None)
+        if not ptr:
+            return None
+        return ptr.decode(errors="replace") if isinstance(ptr, bytes) else ctypes.string_at(ptr).decode(errors="replace")
 
     def close(self) -> None:
         if self.ptr:
@@ -179,11 +193,12 @@ class Context:
         ptr = L.llama_get_logits(self.ptr)
         return np.ctypeslib.as_array(ptr, shape=(self._n_out, self.n_vocab))
 
-    def trim(self, n_keep: int) -> None:
-        """Drop every cached position >= n_keep (rejected draft tokens)."""
-        if n_keep < self.n_past:
+    def trim(self, n_keep: int, force: bool = False) -> None:
+        """Drop every cached position >= n_keep (rejected draft tokens). force: remove them even
+        past n_past, in case a decode was interrupted after writing the cache."""
+        if force or n_keep < self.n_past:
             L.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
-            self.n_past = n_keep
+            self.n_past = min(self.n_past, n_keep)
 
     def clear(self) -> None:
         L.llama_memory_clear(self.memory, True)

@@ -99,6 +99,15 @@ def lib() -> dict:
     return _lib
 
 
+def engine_built() -> bool:
+    """Whether the installed llama.cpp carries spac's native engine."""
+    try:
+        lib()
+        return True
+    except NativeError:
+        return False
+
+
 def ggml_library(name: str = "ggml") -> ctypes.CDLL:
     """The instance of lib<name> that libllama itself uses (the wheel holds copies, not
     symlinks, of each .so: only the soname file is the one already loaded)."""

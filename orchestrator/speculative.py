@@ -26,8 +26,6 @@ same logits a single-token decode would, and the accepted tokens are the target'
 
 from __future__ import annotations
 
-import codecs
-import ctypes
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,225 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-import llama_cpp as L
 from orchestrator.llm import Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.spac import MoESpAc
-
-
-class VocabMismatchError(ModelError):
-    """Target and draft do not share one vocabulary."""
-
-
-# ----------------------------------------------------------------------------- sampling
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature ≤ 0: greedy. top_k ≤ 0 and top_p ≥ 1: off. Applied alike to draft and target."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
-def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The sampling distribution (float64 [n_vocab], sums to 1) of one row of logits:
-    temperature, then top-k (ties at the k-th value kept), then top-p (smallest prefix of the
-    sorted distribution whose mass reaches top_p), renormalised. With top-k on, the softmax and
-    the top-p sort see only the k candidates (a 150k vocabulary costs one partition)."""
-    n = logits.shape[-1]
-    k = params.top_k
-    if 0 < k < n:
-        kth = np.partition(logits, n - k)[n - k]
-        idx = np.flatnonzero(logits >= kth)
-        z = logits[idx].astype(np.float64)
-    else:
-        idx = None
-        z = logits.astype(np.float64)
-    z -= z.max()
-    if params.temperature != 1.0:
-        z /= params.temperature
-    np.exp(z, out=z)
-    z /= z.sum()
-    if params.top_p < 1.0:
-        z = _nucleus(z, params.top_p)
-    if idx is None:
-        return z
-    p = np.zeros(n)
-    p[idx] = z
-    return p
-
-
-def _nucleus(z: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the most probable entries up to mass top_p, renormalised. The nucleus is found among
-    the top m candidates, m growing ×8 until their mass reaches top_p (no full sort)."""
-    n, m = z.size, 64
-    while True:
-        cand = np.argpartition(z, n - m)[n - m:] if m < n else np.arange(n)
-        order = cand[np.argsort(-z[cand], kind="stable")]
-        mass = np.cumsum(z[order])
-        if mass[-1] >= top_p or m >= n:
-            break
-        m = min(m * 8, n)
-    keep = order[:int(np.searchsorted(mass, top_p)) + 1]
-    out = np.zeros_like(z)
-    out[keep] = z[keep]
-    out /= out.sum()
-    return out
-
-
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from a (possibly unnormalised) non-negative distribution, by inverse CDF."""
-    c = np.cumsum(p)
-    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
-    return min(i, len(p) - 1)
-
-
-def verify_greedy(drafts: Sequence[int], logits: np.ndarray) -> tuple[int, int]:
-    """(accepted drafts, the target's next token) from the verify logits [len(drafts)+1, V]."""
-    best = logits.argmax(axis=1)
-    n = len(drafts)
-    miss = np.flatnonzero(best[:n] != np.asarray(drafts, dtype=best.dtype))
-    a = int(miss[0]) if miss.size else n
-    return a, int(best[a])
-
-
-def verify_sampled(drafts: Sequence[int], q: Sequence[np.ndarray], logits: np.ndarray,
-                   params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
-    """Leviathan et al. (2023) rejection sampling: (accepted drafts, next token).
-
-    q[i]: the draft distribution d_i was sampled from; logits: target rows [len(drafts)+1, V].
-    The returned tokens are distributed exactly as sampling the target alone would give."""
-    for i, d in enumerate(drafts):
-        p = distribution(logits[i], params)
-        if rng.random() * q[i][d] < p[d]:  # accept with probability min(1, p/q)
-            continue
-        residual = np.maximum(p - q[i], 0.0)
-        return i, sample(residual if residual.sum() > 0 else p, rng)
-    return len(drafts), sample(distribution(logits[len(drafts)], params), rng)
-
-
-# ----------------------------------------------------------------------------- vocabulary, text
-
-def check_vocab(target: Model, draft: Model) -> None:
-    """Raise VocabMismatchError naming the first token id whose text differs."""
-    n = min(target.n_vocab, draft.n_vocab)
-    for i in range(n):
-        a, b = target.token_text(i), draft.token_text(i)
-        if a != b:
-            raise VocabMismatchError(
-                f"draft vocabulary differs from the target's at token {i}: "
-                f"target {a!r}, draft {b!r} ({target.path.name} vs {draft.path.name})")
-    if target.n_vocab != draft.n_vocab:
-        longer, name = (target, "target") if target.n_vocab > draft.n_vocab else (draft, "draft")
-        raise VocabMismatchError(
-            f"draft vocabulary differs from the target's at token {n}: only the {name} has it "
-            f"({longer.token_text(n)!r}); n_vocab target {target.n_vocab}, draft {draft.n_vocab}")
-
-
-def tokenize_special(model: Model, text: str, add_special: bool) -> list[int]:
-    """Tokenize with special tokens parsed (chat templates write them as text). A token holds
-    at least one byte, so len(text) + a few added specials always fit the buffer."""
-    data = text.encode()
-    buf = (L.llama_token * (len(data) + 8))()
-    n = L.llama_tokenize(model.vocab, data, len(data), buf, len(buf), add_special, True)
-    return list(buf[:n])
-
-
-def engine_built() -> bool:
-    """Whether the installed llama.cpp carries spac's native engine."""
-    from orchestrator.native import NativeError, lib
-
-    try:
-        lib()
-        return True
-    except NativeError:
-        return False
-
-
-class ChatTemplate:
-    """The model's Jinja chat template (GGUF `tokenizer.chat_template`), rendered like HF does."""
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
-        from jinja2 import BaseLoader
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        env = ImmutableSandboxedEnvironment(loader=BaseLoader(), trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        self.source = source
-        self.bos_token, self.eos_token = bos_token, eos_token
-        self._template = env.from_string(source)
-
-    @classmethod
-    def from_model(cls, model: Model) -> ChatTemplate | None:
-        ptr = L.llama_model_chat_template(model.ptr, None)
-        if not ptr:
-            return None
-        source = ctypes.string_at(ptr).decode(errors="replace") if not isinstance(ptr, bytes) else ptr.decode()
-        bos, eos = L.llama_vocab_bos(model.vocab), L.llama_vocab_eos(model.vocab)
-        return cls(source, model.token_text(bos) if bos >= 0 else "", model.token_text(eos) if eos >= 0 else "")
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token, eos_token=self.eos_token)
-
-
-class TextStream:
-    """Bytes of token pieces → text, holding back what could still become a stop string."""
-
-    def __init__(self, stop: Sequence[str] = ()) -> None:
-        self.stop = [s for s in stop if s]
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._held = ""
-        self.text = ""  # everything released so far
-        self.stopped = False
-
-    def push(self, piece: bytes) -> str:
-        """Add one token's bytes; return the text that is now final ("" after a stop)."""
-        if self.stopped:
-            return ""
-        held = self._held + self._decoder.decode(piece)
-        if self.stop:
-            hits = [i for i in (held.find(s) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped = True
-                self._held = ""
-                return self._release(held[:min(hits)])
-            keep = max((_overlap(held, s) for s in self.stop), default=0)
-            self._held = held[len(held) - keep:] if keep else ""
-            return self._release(held[:len(held) - keep])
-        self._held = ""
-        return self._release(held)
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        rest = self._held + self._decoder.decode(b"", final=True)
-        self._held = ""
-        return self._release(rest)
-
-    def _release(self, s: str) -> str:
-        self.text += s
-        return s
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of stop."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
+from orchestrator.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
+from orchestrator.text import ChatTemplate, TextStream, check_vocab
 
 
 # ----------------------------------------------------------------------------- policy
@@ -380,7 +166,6 @@ class Session:
         return c
 
     def _open_engine(self, cfg: SessionConfig) -> None:
-        from orchestrator import calibrate
         from orchestrator.native import ExpertEngine, NativeError, Routing
 
         if self.policy is None:
@@ -395,13 +180,27 @@ class Session:
             self.engine_note = f"expert engine off: {e}"
             return
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
-        self.calibration = calibrate.load_or_calibrate(self, force=cfg.recalibrate, path=cfg.calibration_cache)
         if self.policy.miss != "cpu" or self.policy.uses_draft_routing or self.policy.needs_future:
             raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
                              "on the host, from the target's routing only)")
         n_slots = int(self.engine.stats()["n_slots"])
         self.policy.reset(PolicyContext(n_layer=self.engine.n_moe_layers, n_expert=self.engine.n_expert,
                                         top_k=self.engine.n_expert_used, capacity=n_slots, gamma=self.gamma))
+        self._calibrate(force=cfg.recalibrate)
+
+    def _calibrate(self, force: bool) -> None:
+        """Measure (or load) the unit costs, then start the plans over: the measurement drove the
+        pool itself and left it empty, so the policy's first plan is sent whatever was sent before,
+        and the copies made while measuring are not counted in the next step's feedback."""
+        from orchestrator import calibrate
+
+        cfg = self.cfg
+        rig = calibrate.Rig(engine=self.engine, routing=self.routing, ctx=self.ctx, draft_ctx=self.draft_ctx,
+                            model_path=self.target.path, draft_path=self.draft.path if self.draft else None,
+                            device=cfg.device or "CPU", n_threads=cfg.n_threads,
+                            budget=str(cfg.budget_bytes or cfg.budget_ratio), gamma=self.gamma, k_max=cfg.k_max)
+        self.calibration = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
+        self._plan_sent = self._plan_in_force = None
         # initial placement, with the calibration as the first measurement
         self._send(self.policy.plan(None, self._resident(), self.calibration.feedback()))
         self.engine.reset_stats()
@@ -416,9 +215,7 @@ class Session:
         """The conversation as prompt tokens: the GGUF's chat template, else one running text."""
         if self.chat_template is None:
             return self.target.tokenize("".join(m["content"] for m in messages), add_special=True)
-        text = self.chat_template.render(messages, add_generation_prompt=True)
-        bos = self.chat_template.bos_token
-        return tokenize_special(self.target, text, add_special=not (bos and text.startswith(bos)))
+        return self.chat_template.tokens(self.target, messages)
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingParams = SamplingParams()) -> Completion:
@@ -602,12 +399,7 @@ class Session:
         for c in (self.ctx, self.draft_ctx):
             if c is None or not c.ptr:
                 continue
-            keep = min(c.n_past, n)
-            if force:
-                L.llama_memory_seq_rm(c.memory, 0, keep, -1)
-                c.n_past = keep
-            else:
-                c.trim(keep)
+            c.trim(min(c.n_past, n), force=force)
 
     def reset(self) -> None:
         """Forget the cached sequence (both KV caches emptied)."""
@@ -620,11 +412,8 @@ class Session:
         """Measure the unit costs again (and refresh the cache file)."""
         if self.engine is None:
             return
-        from orchestrator import calibrate
-
         self.reset()
-        self.calibration = calibrate.load_or_calibrate(self, force=True, path=self.cfg.calibration_cache)
-        self.policy.plan(None, self._resident(), self.calibration.feedback())
+        self._calibrate(force=True)
 
     def close(self) -> None:
         """Stop the engine's copy worker, then free contexts and models. Safe to call twice."""

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app, default_models, parse_budget
 from orchestrator.gguf_export import make_random_model, tiny_config
-from orchestrator.speculative import engine_built
+from orchestrator.native import engine_built
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,10 +16,10 @@ from scipy import stats
 
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, random_weights, tiny_config, write_gguf
 from orchestrator.llm import Context, Model
-from orchestrator.speculative import (
-    Ablations, ChatTemplate, SamplingParams, Session, SessionConfig, TextStream, VocabMismatchError,
-    check_vocab, distribution, engine_built, verify_greedy, verify_sampled,
-)
+from orchestrator.native import engine_built
+from orchestrator.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
+from orchestrator.speculative import Ablations, Session, SessionConfig
+from orchestrator.text import ChatTemplate, TextStream, VocabMismatchError, check_vocab
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 N_PROMPTS, N_TOKENS = 20, 128
@@ -336,3 +336,26 @@ def test_calibration_is_measured_once_then_cached(models, tmp_path):
         s.recalibrate()
         assert s.calibration.source == "measured"
         assert s.complete(prompts()[0], max_tokens=8).metrics.n_tokens == 8
+
+
+def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
+    """The measurement drives the pool itself and leaves it empty. Afterwards the session's plan
+    is in force again (with --no-prefetch too, whose one static plan had been sent before), and
+    the copies made while measuring are not part of the next step's feedback."""
+    if not engine_built():
+        pytest.skip("native engine not built")
+    with session(models, tmp_path, gamma=4, engine=True, ablations=Ablations(no_prefetch=True)) as s:
+        s.complete(prompts()[0], max_tokens=16)
+        static = s.policy.static
+        assert static is not None
+        s.engine.wait_idle()
+        wanted = static.utility > 0
+        assert (s._resident() == wanted).all()
+        baseline = s._stats_prev
+        s.recalibrate()
+        assert s._stats_prev is not baseline  # feedback counts from after the measurement
+        n_slots = int(s.engine.stats()["n_slots"])
+        assert s.engine.stats()["n_copies"] - s._stats_prev["n_copies"] <= n_slots
+        s.complete(prompts()[1], max_tokens=16)
+        s.engine.wait_idle()
+        assert s.policy.static is static and (s._resident() == wanted).all()

@@ -14,6 +14,7 @@ from orchestrator.sim.cli import record_trace
 from orchestrator.sim.simulator import SimConfig, Simulator
 
 speculative = pytest.importorskip("orchestrator.speculative")
+native = pytest.importorskip("orchestrator.native")
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 
 
@@ -36,7 +37,7 @@ def recording(policy):
 
 @pytest.fixture(scope="module")
 def live_run(tmp_path_factory):
-    if not speculative.engine_built():
+    if not native.engine_built():
         pytest.skip("native engine not built")
     d = tmp_path_factory.mktemp("record")
     target = make_random_model(d / "target.gguf", CFG, seed=1)

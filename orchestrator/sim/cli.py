@@ -271,7 +271,7 @@ def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None
     """Generate greedily from each prompt on an open `orchestrator.speculative.Session` (expert
     engine on: it exports the routing) and write every verification step to `out`."""
     from orchestrator.sim.trace import TraceWriter
-    from orchestrator.speculative import SamplingParams
+    from orchestrator.sampling import SamplingParams
 
     engine = session.engine
     if engine is None:
