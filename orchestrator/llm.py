@@ -58,15 +58,21 @@ def _silence_logs() -> None:
     L.llama_log_set(_quiet_log, ctypes.c_void_p())
 
 
+# llama.cpp's extra CPU buffer types (weight repacking, AMX) stay off by default: the expert pool
+# and the host experts then run the same kernels on the same layout, and the AMX path crashes on
+# small quantized matrices (seen on the tiny Q4_0/Q8_0 models, upstream 0c1e570, a Xeon with AMX)
+USE_EXTRA_BUFTS = False
+
+
 class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = True, verbose: bool = False):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = USE_EXTRA_BUFTS,
+                 verbose: bool = False):
         self.path = check_gguf(path)
         _init_backend(verbose)
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        # False keeps every expert in its file layout (no CPU_REPACK): the same kernels as a CPU pool
         params.use_extra_bufts = use_extra_bufts
         self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:

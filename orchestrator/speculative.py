@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.llm import Context, Model, ModelError
+from orchestrator.llm import USE_EXTRA_BUFTS, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
@@ -80,10 +80,7 @@ class SessionConfig:
     n_threads: int = 2
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
-    # llama.cpp's extra CPU buffer types (weight repacking, AMX) stay off: the expert pool and the
-    # host experts then run the same kernels, and the AMX path crashes on small quantized
-    # matrices (seen on the tiny Q4_0/Q8_0 models, upstream 0c1e570, a Xeon with AMX)
-    use_extra_bufts: bool = False
+    use_extra_bufts: bool = USE_EXTRA_BUFTS
     engine: bool | None = None   # None: on when the native engine is built, else off
     device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
     budget_bytes: int = 0

@@ -42,7 +42,7 @@ def test_native_pool_and_simulator_pool_agree(tmp_path, budget_ratio, no_evict):
         pytest.skip("native engine not built")
     cfg = model_config("qwen3moe")
     path = make_random_model(tmp_path / "m.gguf", cfg, seed=3, dtype="f32")
-    model = llm.Model(path, use_extra_bufts=False)
+    model = llm.Model(path)
     ctx = llm.Context(model, n_ctx=64, n_batch=16, n_threads=1)
     try:
         with native.ExpertEngine(ctx.ptr, path, budget_ratio=budget_ratio, no_evict=no_evict) as engine:
