@@ -19,6 +19,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
 from orchestrator.gguf_export import hot_experts, quantize_gguf, read_config, slice_experts
+from orchestrator.options import check_output, fail
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Make a self-draft of a MoE GGUF: a low-bit copy (MoE-SpeQ) or its most-used experts (SpecMoE).")
@@ -36,21 +37,42 @@ def load_profile(path: Path, n_expert: int) -> np.ndarray:
     return np.load(path)
 
 
+ForceOpt = typer.Option(False, "--force", help="overwrite DST if it exists (never the source)")
+
+
+def _check_source(src: Path) -> None:
+    from orchestrator.llm import ModelError, check_gguf
+
+    try:
+        check_gguf(src)
+    except ModelError as e:
+        fail(str(e))
+
+
 @app.command()
-def quantized(src: Path, dst: Path, type: str = typer.Option("q4_0", "--type", help="q4_0, q8_0, q4_k_m, ...")):
-    """Low-bit copy of the target through llama.cpp's quantizer."""
+def quantized(src: Path, dst: Path, type: str = typer.Option("q4_0", "--type", help="q4_0, q8_0, q4_k_m, ..."),
+              force: bool = ForceOpt):
+    """Low-bit copy of the target through llama.cpp's quantizer (written to a temporary file,
+    then renamed: DST is whole or untouched)."""
+    _check_source(src)
+    check_output(dst, force, inputs=[src])
     try:
         out = quantize_gguf(src, dst, type)
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    except ValueError as e:
+        fail(f"--type: {e}")
+    except RuntimeError:
+        fail(f"llama.cpp's quantizer could not read {src} (corrupt or unsupported GGUF); {dst} was not written")
+    except OSError as e:
+        fail(f"cannot write {dst}: {e.strerror or e}")
     typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
 @app.command("hot-experts")
 def hot_experts_cmd(src: Path, dst: Path, profile: Path = typer.Option(..., help=".npy counts or .npz routing"),
-                    keep: int = typer.Option(..., help="experts kept per layer")):
+                    keep: int = typer.Option(..., help="experts kept per layer"), force: bool = ForceOpt):
     """Keep per layer the `keep` most-used experts; router rows sliced to match."""
+    _check_source(src)
+    check_output(dst, force, inputs=[src, profile])
     try:
         cfg = read_config(src)
         prof = load_profile(profile, cfg.n_expert)
@@ -62,8 +84,9 @@ def hot_experts_cmd(src: Path, dst: Path, profile: Path = typer.Option(..., help
             task = bar.add_task("writing", total=src.stat().st_size)
             out = slice_experts(src, dst, ids, progress=lambda name, n: bar.advance(task, n))
     except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {dst}: {e.strerror or e}")
     typer.echo(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB); kept {keep}/{cfg.n_expert} experts per layer, "
                f"covering {min(covered):.0%}..{max(covered):.0%} of the profiled routing")
 

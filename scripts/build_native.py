@@ -28,7 +28,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,8 +67,17 @@ def sha256_file(path: Path) -> str:
 
 
 def read_lock() -> dict:
-    with open(LOCK, "rb") as f:
-        return tomllib.load(f)
+    """The lock file's `key = "value"` lines (a TOML subset: tomllib is 3.11+, this runs on 3.10)."""
+    out = {}
+    for n, line in enumerate(LOCK.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = (part.strip() for part in line.partition("="))
+        if not sep or len(value) < 2 or value[0] != '"' or value[-1] != '"':
+            raise BuildError(f"{LOCK.name}:{n}: expected key = \"value\", got {line!r}")
+        out[key] = value[1:-1]
+    return out
 
 
 def read_series(patch_dir: Path = PATCHES) -> list[Path]:

@@ -15,10 +15,15 @@ with every B and P the profile's peak times its efficiency.
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (a dependency on 3.10 only)
+    import tomli as tomllib
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
