@@ -4,10 +4,12 @@
     spac chat
     spac calibrate
 
-Options follow llama.cpp's names (-m, -md, --draft-max, -t, -c, --temp, --seed, ...). With no
--m, the shipped default models (models/MANIFEST.json, `orchestrator.models`) are used; -m naming
-the shipped target without -md takes the shipped default draft. Without a draft, decoding is
-autoregressive. A bad model path is one line on stderr and exit code 2.
+Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
+...); the block shared by generate, chat and calibrate (and serve) is declared once in
+`orchestrator.options`. With no -m, the shipped default models (models/MANIFEST.json) are used;
+-m naming the shipped target (or a copy of it) without -md takes the shipped default draft.
+Without a draft, decoding is autoregressive. Bad input is one line on stderr and exit code 2;
+Ctrl-C is `stop: interrupted` and exit code 130.
 
 Other teams' command groups are mounted in `_mount_subcommands` (`spac sim`, `spac trace`).
 """
@@ -17,8 +19,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import re
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,222 +29,205 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from orchestrator.llm import deferred_sigint
+from orchestrator.options import (EXIT_INTERRUPTED, Budget, RunOptions, default_models, fail, open_session,
+                                  run_options, session_setup)
+
+__all__ = ["app", "default_models", "main", "parse_budget"]
+
 app = typer.Typer(name="spac", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Speculative decoding for MoE GGUF models with a device expert pool.")
 err = Console(stderr=True, highlight=False)
 
 
-EXIT_USAGE = 2
-
-
-# ----------------------------------------------------------------------------- default models
-
-def default_models(models_dir: Path | None = None) -> tuple[Path | None, Path | None]:
-    """(target, default draft) of the shipped models (`orchestrator.models`), or (None, None)
-    when there is no manifest; the draft is None if the manifest names none."""
-    from orchestrator import models
-
-    models_dir = models_dir or models.MODELS_DIR
-    try:
-        target = models.default_model("target", models_dir)
-    except (OSError, KeyError, ValueError):
-        return None, None
-    try:
-        draft = models.default_model("draft", models_dir)
-    except (KeyError, ValueError):
-        draft = None
-    return target, draft
-
-
-# ----------------------------------------------------------------------------- options
+# ----------------------------------------------------------------------------- helpers
 
 def parse_budget(text: str | None) -> tuple[int, float]:
-    """--expert-budget: "25%" → (0, 0.25); "512M", "2GiB", "123456" → (bytes, 0)."""
-    if text is None:
-        return 0, 0.25
-    s = text.strip().upper()
-    if s.endswith("%"):
-        return 0, float(s[:-1]) / 100.0
-    m = re.fullmatch(r"([0-9.]+)\s*([KMGT]?)(I?B)?", s)
-    if not m:
-        raise typer.BadParameter(f"expected bytes (e.g. 512M, 2G) or a percentage (25%), got {text!r}")
-    scale = 1024 if m.group(3) == "IB" else 1000
-    power = " KMGT".index(m.group(2) or " ")
-    return int(float(m.group(1)) * scale**power), 0.0
+    """--expert-budget as (bytes, ratio): "25%" → (0, 0.25), "2GiB" → (2 << 30, 0). Not given:
+    (0, 0.0), the placement rule decides. A bad value raises ValueError naming the flag."""
+    b = Budget.parse(text)
+    return b.nbytes, b.ratio
 
 
-ModelOpt = Annotated[Optional[Path], typer.Option("-m", "--model", help="target MoE GGUF [default: models/MANIFEST.json]")]
-DraftOpt = Annotated[Optional[Path], typer.Option("-md", "--model-draft", help="draft GGUF (same vocabulary)")]
-DraftMaxOpt = Annotated[int, typer.Option("--draft-max", help="γ, draft tokens per verification step")]
-BudgetOpt = Annotated[Optional[str], typer.Option("--expert-budget", help="device pool: bytes (512M, 2G) or % of all experts [25%]")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="pool device: CPU (a second CPU buffer) or a ggml device name (CUDA0, ...)")]
-ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads")]
-CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")]
-TempOpt = Annotated[float, typer.Option("--temp", help="temperature, 0 = greedy")]
-TopKOpt = Annotated[int, typer.Option("--top-k", help="top-k, 0 = off")]
-TopPOpt = Annotated[float, typer.Option("--top-p", help="top-p, 1 = off")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="RNG seed, -1 = random")]
-NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", help="target layers on the GPU (non-expert weights)")]
-EngineOpt = Annotated[Optional[bool], typer.Option("--engine/--no-engine", help="expert pool on/off [on when built]")]
-StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="stop string (repeatable)")]
-RecalOpt = Annotated[bool, typer.Option("--recalibrate", help="measure the unit costs again")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", help="llama.cpp logs")]
-NoUtility = Annotated[bool, typer.Option("--no-utility", help="ablation: binary utility (K = 1)")]
-NoAdabc = Annotated[bool, typer.Option("--no-adabc", help="ablation: fixed boundaries θ↑=3, θ↓=1")]
-NoBalancer = Annotated[bool, typer.Option("--no-balancer", help="ablation: fixed τ = 2")]
-NoPrefetch = Annotated[bool, typer.Option("--no-prefetch", help="ablation: static expert placement")]
-NoEvict = Annotated[bool, typer.Option("--no-evict", help="ablation: keep experts until the pool is full")]
-NoSd = Annotated[bool, typer.Option("--no-sd", help="ablation: autoregressive decoding on the same engine")]
-
-_DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+def _clean(text: str) -> str:
+    """Text from argv, a file or stdin as valid UTF-8: bytes a shell in another locale passed
+    through (surrogate escapes) become U+FFFD instead of failing the tokenizer."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _config(model, model_draft, draft_max, expert_budget, device, threads, ctx_size, n_gpu_layers, engine,
-            recalibrate, verbose, ablations):
-    from orchestrator.speculative import SessionConfig
-
-    if model is None:
-        target, draft = default_models()
-        if target is None:
-            _fail("no model given (-m) and no shipped default models (models/MANIFEST.json is missing)")
-        model = target
-        if model_draft is None:
-            model_draft = draft
-    elif model_draft is None:
-        target, draft = default_models()
-        if target is not None and model.resolve() == target.resolve():
-            model_draft = draft
-    budget_bytes, budget_ratio = parse_budget(expert_budget)
-    return SessionConfig(model=model, draft=model_draft, gamma=draft_max, n_ctx=ctx_size, n_threads=threads,
-                         n_gpu_layers=n_gpu_layers, engine=engine, device=device, budget_bytes=budget_bytes,
-                         budget_ratio=budget_ratio, ablations=ablations, recalibrate=recalibrate, verbose=verbose)
-
-
-def _open_session(cfg):
-    """Session or one clear line and exit 2 (missing/non-GGUF file, vocab mismatch, engine)."""
-    from orchestrator.llm import ModelError
-    from orchestrator.native import NativeError
-    from orchestrator.speculative import Session
-
-    try:
-        return Session(cfg)
-    except (ModelError, NativeError, ValueError) as e:
-        _fail(str(e))
+def _read_prompt(prompt: str | None, prompt_opt: str | None, file: Path | None) -> str:
+    """PROMPT, -p/--prompt or -f/--file (exactly one); "-" as PROMPT or FILE reads stdin."""
+    given = [x for x in (prompt, prompt_opt, file) if x is not None]
+    if len(given) > 1:
+        fail("give the prompt once: PROMPT, -p/--prompt or -f/--file")
+    if not given:
+        fail("no prompt: give PROMPT, -p TEXT, -f FILE, or - to read standard input")
+    if file is not None and str(file) != "-":
+        try:
+            text = file.read_bytes().decode("utf-8", "replace")
+        except OSError as e:
+            fail(f"-f/--file {file}: {e.strerror}")
+    elif file is not None or prompt == "-" or prompt_opt == "-":
+        text = sys.stdin.buffer.read().decode("utf-8", "replace")
+    else:
+        text = _clean(prompt if prompt is not None else prompt_opt)
+    if not text:
+        fail("empty prompt: give some text (PROMPT, -p, -f FILE or - for standard input)")
+    return text
 
 
-def _fail(message: str) -> None:
-    sys.stderr.write(f"spac: error: {' '.join(message.split())}\n")  # one line, never wrapped
-    raise typer.Exit(EXIT_USAGE)
-
-
-def _ablations(no_utility, no_adabc, no_balancer, no_prefetch, no_evict, no_sd):
-    from orchestrator.speculative import Ablations
-
-    return Ablations(no_utility=no_utility, no_adabc=no_adabc, no_balancer=no_balancer,
-                     no_prefetch=no_prefetch, no_evict=no_evict, no_sd=no_sd)
-
-
-def _sampling(temp, top_k, top_p, seed):
-    from orchestrator.sampling import SamplingParams
-
-    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=None if seed < 0 else seed)
-
-
-def _describe(session) -> str:
+def _describe(session, setup) -> str:
+    """The header: models, γ, placement, ablations — one line."""
     parts = [session.target.path.name]
     if session.draft is not None:
         parts.append(f"draft {session.draft.path.name}, γ={session.gamma}")
     else:
         parts.append("autoregressive")
+    parts += setup.notes
     if session.engine is not None:
         st = session.engine.stats()
-        parts.append(f"expert pool {st['n_slots']} slots on {session.cfg.device or 'CPU'}")
-    elif session.engine_note:
+        parts.append(f"{st['n_slots']} slots")
+    elif session.engine_note and not setup.pool_off_reason:
         parts.append(session.engine_note)
     if session.cfg.ablations.names():
         parts.append("ablations: " + ", ".join(session.cfg.ablations.names()))
     return "; ".join(parts)
 
 
+def _run_info(session, setup, opts: RunOptions) -> dict:
+    """What --json reports about the run's setup: γ, seed, pool (or why it is off)."""
+    stats = session.engine.stats() if session.engine is not None else None
+    off = setup.pool_off_reason or (session.engine_note if session.engine is None else "")
+    return {"gamma": session.gamma, "seed": opts.seed, "seed_random": opts.seed_random,
+            "pool_device": session.cfg.device if session.engine is not None else None,
+            "budget_bytes": session.cfg.budget_bytes, "budget_ratio": session.cfg.budget_ratio,
+            "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,
+            "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers}
+
+
+def _write(text: str) -> None:
+    """To stdout, flushed; a full disk or a closed pipe is one line and exit 2, not a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as e:
+        _drop_stdout()
+        fail(f"cannot write to standard output: {e.strerror or e}")
+
+
+def _drop_stdout() -> None:
+    """After a failed write: point stdout at /dev/null so the exit-time flush stays quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _no_limit(n_predict: int, flag: str = "-n/--n-predict") -> int:
+    """llama.cpp: -1 = no limit (-2: until the context is full, the same here)."""
+    if n_predict < -2:
+        fail(f"{flag} must be >= -1 (-1: no limit), got {n_predict}")
+    return n_predict if n_predict >= 0 else sys.maxsize
+
+
 # ----------------------------------------------------------------------------- commands
 
 @app.command()
+@run_options()
 def generate(
-    prompt: Annotated[str, typer.Argument(help="prompt text")],
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate")] = 128,
+    prompt: Annotated[Optional[str], typer.Argument(help="prompt text; - reads standard input", show_default=False)] = None,
+    prompt_opt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="prompt text (as llama.cpp)")] = None,
+    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="read the prompt from a file; - = stdin")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="tokens to generate, -1 = no limit")] = 128,
     json_out: Annotated[bool, typer.Option("--json", help="print one JSON object (text and metrics)")] = False,
-    model: ModelOpt = None, model_draft: DraftOpt = None, draft_max: DraftMaxOpt = 8,
-    expert_budget: BudgetOpt = None, device: DeviceOpt = None, threads: ThreadsOpt = _DEFAULT_THREADS,
-    ctx_size: CtxOpt = 0, temp: TempOpt = 0.8, top_k: TopKOpt = 40, top_p: TopPOpt = 0.95, seed: SeedOpt = -1,
-    n_gpu_layers: NglOpt = 0, engine: EngineOpt = None, stop: StopOpt = None, recalibrate: RecalOpt = False,
-    verbose: VerboseOpt = False, no_utility: NoUtility = False, no_adabc: NoAdabc = False,
-    no_balancer: NoBalancer = False, no_prefetch: NoPrefetch = False, no_evict: NoEvict = False, no_sd: NoSd = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the placement and setup, load nothing")] = False,
+    *, opts: RunOptions,
 ) -> None:
-    """Generate a continuation of PROMPT."""
+    """Generate a continuation of PROMPT. Ctrl-C stops it (stop: interrupted, exit code 130)."""
     from orchestrator.llm import ModelError
 
-    session = _open_session(_config(model, model_draft, draft_max, expert_budget, device, threads, ctx_size,
-                                    n_gpu_layers, engine, recalibrate, verbose,
-                                    _ablations(no_utility, no_adabc, no_balancer, no_prefetch, no_evict, no_sd)))
-    sampling = _sampling(temp, top_k, top_p, seed)
+    text = _read_prompt(prompt, prompt_opt, file) if not dry_run else ""
+    max_tokens = _no_limit(n_predict)
+    if dry_run:
+        setup = session_setup(opts)
+        cfg = setup.config
+        info = {"model": str(cfg.model), "draft": str(cfg.draft) if cfg.draft else None, "gamma": cfg.gamma if cfg.draft else 0,
+                "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.device if cfg.engine is not False else None,
+                "budget_bytes": cfg.budget_bytes, "budget_ratio": cfg.budget_ratio,
+                "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed}
+        _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
+        return
+    try:
+        session, setup = open_session(opts)
+    except KeyboardInterrupt:
+        err.print("[dim]stop: interrupted (while loading)[/]")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    interrupted = False
     try:
         if not json_out:
-            err.print(f"[dim]{_describe(session)}[/]", soft_wrap=True)
-        chunks = session.generate(prompt, n_predict, stop or (), sampling)
+            err.print(Text(_describe(session, setup), style="dim"), soft_wrap=True)
         try:
-            for chunk in chunks:
-                if not json_out:
-                    sys.stdout.write(chunk)
-                    sys.stdout.flush()
-        except KeyboardInterrupt:
-            chunks.close()
-        except ModelError as e:
-            _fail(str(e))
+            chunks = session.generate(text, max_tokens, opts.stop, opts.sampling())
+            try:
+                for chunk in chunks:
+                    if not json_out:
+                        _write(chunk)
+            except KeyboardInterrupt:
+                interrupted = True
+                chunks.close()
+        except (ModelError, ValueError) as e:
+            fail(str(e))
         m = session.last_metrics
+        if interrupted:
+            m.stop_reason = "interrupted"
         if json_out:
             out = {"text": session.last_text, "model": str(session.target.path),
                    "draft": str(session.draft.path) if session.draft is not None else None,
-                   "engine": session.engine is not None, **m.to_dict()}
-            sys.stdout.write(json.dumps(out) + "\n")
+                   "engine": session.engine is not None, **_run_info(session, setup, opts), **m.to_dict()}
+            _write(json.dumps(out) + "\n")
         else:
-            sys.stdout.write("\n")
-            err.print(f"[dim]{m.summary()}[/]", soft_wrap=True)
+            _write("\n")
+            err.print(Text(m.summary(), style="dim"), soft_wrap=True)
     finally:
         session.close()
+    if interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)
 
 
 @app.command()
+@run_options()
 def chat(
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer")] = 256,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens per answer, -1 = no limit")] = 256,
     system: Annotated[Optional[str], typer.Option("--system", help="system message")] = None,
-    model: ModelOpt = None, model_draft: DraftOpt = None, draft_max: DraftMaxOpt = 8,
-    expert_budget: BudgetOpt = None, device: DeviceOpt = None, threads: ThreadsOpt = _DEFAULT_THREADS,
-    ctx_size: CtxOpt = 0, temp: TempOpt = 0.8, top_k: TopKOpt = 40, top_p: TopPOpt = 0.95, seed: SeedOpt = -1,
-    n_gpu_layers: NglOpt = 0, engine: EngineOpt = None, stop: StopOpt = None, recalibrate: RecalOpt = False,
-    verbose: VerboseOpt = False, no_utility: NoUtility = False, no_adabc: NoAdabc = False,
-    no_balancer: NoBalancer = False, no_prefetch: NoPrefetch = False, no_evict: NoEvict = False, no_sd: NoSd = False,
+    *, opts: RunOptions,
 ) -> None:
     """Interactive chat, streamed. Ctrl-C stops an answer; Ctrl-C at the prompt (or Ctrl-D) exits.
 
     /reset forgets the conversation, /exit leaves."""
-    from orchestrator.llm import ModelError
-
-    session = _open_session(_config(model, model_draft, draft_max, expert_budget, device, threads, ctx_size,
-                                    n_gpu_layers, engine, recalibrate, verbose,
-                                    _ablations(no_utility, no_adabc, no_balancer, no_prefetch, no_evict, no_sd)))
-    sampling = _sampling(temp, top_k, top_p, seed)
-    console = Console(highlight=False)
-    first = [{"role": "system", "content": system}] if system else []
-    messages = list(first)
+    max_tokens = _no_limit(n_predict)
     try:
-        console.print(f"[dim]{_describe(session)}[/]")
+        session, setup = open_session(opts)
+    except KeyboardInterrupt:
+        err.print("[dim]stop: interrupted (while loading)[/]")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    console = Console(highlight=False)
+    first = [{"role": "system", "content": _clean(system)}] if system else []
+    messages = list(first)
+    last_interrupt = 0.0
+    try:
+        console.print(Text(_describe(session, setup), style="dim"))
         if session.chat_template is None:
             console.print("[dim]no chat template in the model: the conversation is one running text[/]")
         console.print("[dim]Ctrl-C stops an answer, Ctrl-C at the prompt or Ctrl-D exits, /reset, /exit[/]")
         while True:
             try:
-                line = console.input("[bold green]> [/]")
-            except (KeyboardInterrupt, EOFError):
+                line = _clean(console.input("[bold green]> [/]"))
+            except EOFError:
+                console.print()
+                break
+            except KeyboardInterrupt:
+                if time.monotonic() - last_interrupt < _DOUBLE_CTRL_C_S:
+                    console.print()  # the second press of a quick double Ctrl-C that stopped an answer
+                    continue
                 console.print()
                 break
             if line.strip() in ("/exit", "/quit"):
@@ -254,27 +239,35 @@ def chat(
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            try:
-                answer = _answer(console, session, messages, n_predict, stop or (), sampling)
-                if not console.is_terminal:  # a terminal's Live leaves the cursor on a new line
-                    console.print()
-            except KeyboardInterrupt:  # before the first token: back to the prompt all the same
-                console.print("[dim]interrupted[/]")
-                answer = ""
-            messages.append({"role": "assistant", "content": answer})
+            answer, ok, stopped = _answer(console, session, messages, max_tokens, opts.stop, opts.sampling())
+            if stopped:
+                last_interrupt = time.monotonic()
+            if ok:
+                messages.append({"role": "assistant", "content": answer})
+            else:
+                messages.pop()  # a failed turn is not part of the conversation
     finally:
-        session.close()
-        console.print("[dim]bye[/]")
+        with deferred_sigint():
+            session.close()
+            console.print("[dim]bye[/]")
 
 
-def _answer(console: Console, session, messages, n_predict, stop, sampling) -> str:
-    """Stream one answer under a live status line; Ctrl-C ends it early."""
+_DOUBLE_CTRL_C_S = 1.0  # a Ctrl-C at the prompt this soon after one that stopped an answer is its double
+
+
+def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> tuple[str, bool, bool]:
+    """Stream one answer under a live status line; Ctrl-C ends it early.
+    Returns (text, whether it belongs in the conversation, whether Ctrl-C stopped it).
+
+    Finished lines are printed above the live area, which holds only the line being written
+    and the status: a long answer never outgrows the terminal (rich would freeze it)."""
     from orchestrator.llm import ModelError
 
-    text = ""
+    pending = ""  # the unfinished last line
+    width = max(console.width, 20)
 
     def view(status: str) -> Group:
-        return Group(Text(text), Text(status, style="dim"))
+        return Group(Text(pending), Text(status, style="dim"))
 
     def status_line() -> str:
         s = session.recorder.live()
@@ -285,43 +278,61 @@ def _answer(console: Console, session, messages, n_predict, stop, sampling) -> s
             parts.append(f"device {s['device_share']:.0%}")
         return " | ".join(parts)
 
+    def context_hint(e: Exception) -> str:
+        return f"{e}: /reset starts a new conversation" if "context" in str(e) else str(e)
+
     try:
         tokens = session.chat_tokens(messages)
     except (ModelError, ValueError) as e:
-        console.print(f"[red]{e}[/]")
-        return ""
-    chunks = session.generate(tokens, n_predict, stop, sampling)
+        console.print(Text(context_hint(e), style="red"))
+        return "", False, False
+    if len(tokens) >= session.n_ctx:
+        console.print(Text(f"the conversation ({len(tokens)} tokens) fills the context ({session.n_ctx}): "
+                           "/reset starts a new conversation", style="red"))
+        return "", False, False
+    text = ""
+    chunks = session.generate(tokens, max_tokens, stop, sampling)
     with Live(view("..."), console=console, refresh_per_second=8, transient=False) as live:
         try:
             for chunk in chunks:
                 text += chunk
+                pending += chunk
+                *done, pending = pending.split("\n")
+                while len(pending) >= width:  # a line wider than the terminal: print its full rows
+                    done.append(pending[:width])
+                    pending = pending[width:]
+                for row in done:
+                    live.console.print(Text(row), soft_wrap=True)
                 live.update(view(status_line()))
         except KeyboardInterrupt:
-            chunks.close()
-            live.update(view(status_line() + " | interrupted"))
-            return text
+            with deferred_sigint():  # a second quick Ctrl-C must not end the session here
+                chunks.close()
+                live.update(view(status_line() + " | interrupted"))
+            return text, True, True
         except ModelError as e:
-            live.update(view(f"error: {e}"))
-            return text
-        live.update(view(session.last_metrics.summary()))
-    return text
+            live.update(view(f"error: {context_hint(e)}"))
+            return text, False, False
+        m = session.last_metrics
+        summary = m.summary()
+        if m.stop_reason == "context":
+            summary += " | the context is full: /reset starts a new conversation"
+        live.update(view(summary))
+    return text, True, False
 
 
 @app.command()
-def calibrate(
-    model: ModelOpt = None, model_draft: DraftOpt = None, draft_max: DraftMaxOpt = 8,
-    expert_budget: BudgetOpt = None, device: DeviceOpt = None, threads: ThreadsOpt = _DEFAULT_THREADS,
-    ctx_size: CtxOpt = 0, verbose: VerboseOpt = False,
-) -> None:
+@run_options("model")
+def calibrate(*, opts: RunOptions) -> None:
     """Measure the unit costs of the workload balancer again and print them as JSON."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
-    from orchestrator.speculative import Ablations
-
-    session = _open_session(_config(model, model_draft, draft_max, expert_budget, device, threads, ctx_size, 0,
-                                    True, True, verbose, Ablations()))
+    opts = replace(opts, recalibrate=True, engine=True, ablations=())
     try:
-        sys.stdout.write(json.dumps(asdict(session.calibration), indent=1) + "\n")
+        session, _ = open_session(opts)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    try:
+        _write(json.dumps(asdict(session.calibration), indent=1) + "\n")
     finally:
         session.close()
 
@@ -344,5 +355,10 @@ def _mount_subcommands() -> None:
 
 _mount_subcommands()
 
-if __name__ == "__main__":
+def main() -> None:
+    """The `spac` entry point."""
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,11 @@ written through views, logits are read through a view (no copies).
 from __future__ import annotations
 
 import ctypes
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +42,7 @@ def check_gguf(path: str | Path) -> Path:
 
 
 _backend_ready = False
+_load_errors: list[str] | None = None  # while a model loads: llama.cpp's error lines, for the ModelError
 
 
 def _init_backend(verbose: bool) -> None:
@@ -49,9 +55,14 @@ def _init_backend(verbose: bool) -> None:
 
 
 @L.llama_log_callback
-def _quiet_log(level, text, user_data):  # keep errors, drop llama.cpp's chatter
+def _quiet_log(level, text, user_data):  # keep errors (on stderr: stdout is the user's), drop the chatter
     if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
-        print(text.decode(errors="replace"), end="", flush=True)
+        line = text.decode(errors="replace")
+        if _load_errors is not None:
+            _load_errors.append(line.strip())
+        else:
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def _silence_logs() -> None:
@@ -64,19 +75,76 @@ def _silence_logs() -> None:
 USE_EXTRA_BUFTS = False
 
 
+@contextmanager
+def deferred_sigint() -> Iterator[Callable[[], bool]]:
+    """Hold Ctrl-C during a long native call: it is remembered (the yielded function says
+    whether it came) and raised as KeyboardInterrupt once the call has returned. Raised inside
+    a ctypes callback instead, Python would print it and carry on."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    hit: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
+    try:
+        yield lambda: bool(hit)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hit:
+        raise KeyboardInterrupt
+
+
+def _cpu_buffer_type() -> int:
+    from orchestrator.native import ggml_library
+
+    f = ggml_library("ggml-cpu").ggml_backend_cpu_buffer_type
+    f.restype = ctypes.c_void_p
+    return f()
+
+
+class _TensorBuftOverride(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+# llama.cpp's --cpu-moe: the routed experts stay in host RAM whatever -ngl offloads
+_EXPERTS_PATTERN = rb"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
 class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = USE_EXTRA_BUFTS,
-                 verbose: bool = False):
+                 verbose: bool = False, check_tensors: bool = False):
+        """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
+        stay in host RAM (the expert pool holds device copies). check_tensors: llama.cpp's
+        validation of every tensor's data (NaN/Inf) on load."""
+        global _load_errors
         self.path = check_gguf(path)
+        self.ptr = None
         _init_backend(verbose)
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = use_extra_bufts
-        self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+        params.check_tensors = check_tensors
+        if n_gpu_layers != 0:
+            self._overrides = (_TensorBuftOverride * 2)(_TensorBuftOverride(_EXPERTS_PATTERN, _cpu_buffer_type()))
+            params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        with deferred_sigint() as interrupted:
+            progress = L.llama_progress_callback(lambda p, user_data: not interrupted())  # False aborts the load
+            params.progress_callback = progress
+            _load_errors = [] if not verbose else None
+            try:
+                self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
+            finally:
+                errors, _load_errors = _load_errors or [], None
+            if interrupted():
+                if self.ptr:
+                    L.llama_model_free(self.ptr)
+                    self.ptr = None
+                return  # deferred_sigint raises KeyboardInterrupt on leaving
         if not self.ptr:
-            raise ModelError(f"llama.cpp could not load {self.path} (corrupt file or unsupported architecture)")
+            why = next((e for e in reversed(errors) if "invalid" in e or "nan" in e.lower()), errors[-1] if errors else "")
+            why = why.removeprefix("llama_model_load: error loading model: ").strip()
+            raise ModelError(f"llama.cpp could not load {self.path}: {why or 'corrupt file or unsupported architecture'}")
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_layer = int(L.llama_model_n_layer(self.ptr))
@@ -97,7 +165,7 @@ class Model:
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """parse_special: special tokens written as text (as chat templates do) become tokens."""
-        data = text.encode()
+        data = text.encode("utf-8", "surrogateescape")  # bytes a non-UTF-8 shell passed through
         n_max = len(data) + 16
         buf = (L.llama_token * n_max)()
         n = L.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)

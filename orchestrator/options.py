@@ -9,10 +9,18 @@ option block of `generate`, `chat`, `calibrate` (and `serve`, `trace record`) de
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 import os
+import re
+import secrets
 import sys
+import typing
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -46,3 +54,347 @@ def check_output(dst: Path, force: bool = False, inputs: Iterable[Path] = ()) ->
         fail(f"{dst} exists; pass --force to overwrite it")
     if not dst.parent.is_dir():
         fail(f"cannot write {dst}: directory {dst.parent} does not exist")
+
+
+# ----------------------------------------------------------------------------- --expert-budget
+
+_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """--expert-budget, parsed once: `nbytes` > 0, or `ratio` in (0, 1] of all expert bytes.
+    Neither (`Budget()`, the flag not given): the placement rule decides (`orchestrator.placement`)."""
+
+    nbytes: int = 0
+    ratio: float = 0.0
+
+    @property
+    def auto(self) -> bool:
+        return not self.nbytes and not self.ratio
+
+    @classmethod
+    def parse(cls, text: str | None) -> Budget:
+        """"25%" → ratio 0.25; "512M", "2GiB", "123456" → bytes. Anything that would leave the
+        pool empty or is ambiguous ("0", "0%", "-5%", "0.5", "150%") raises ValueError naming
+        the flag; --no-engine is how the pool is turned off."""
+        if text is None:
+            return cls()
+        s = text.strip().upper().replace(" ", "")
+        hint = "give bytes (512M, 2GiB) or a percentage of all experts (25%); --no-engine turns the pool off"
+        if s.endswith("%"):
+            try:
+                pct = float(s[:-1])
+            except ValueError:
+                raise ValueError(f"--expert-budget {text!r}: {hint}") from None
+            if not 0 < pct <= 100 or pct != pct:
+                raise ValueError(f"--expert-budget {text!r}: a percentage must be in (0, 100]; {hint}")
+            return cls(ratio=pct / 100.0)
+        m = re.fullmatch(r"(-?[0-9]*\.?[0-9]+)([KMGT]?I?)B?", s)
+        if not m:
+            raise ValueError(f"--expert-budget {text!r}: {hint}")
+        value, unit = float(m.group(1)), m.group(2)
+        if not unit and value != int(value):
+            raise ValueError(f"--expert-budget {text!r} is ambiguous (a fraction of bytes?): {hint}")
+        nbytes = int(value * _UNITS[unit])
+        if nbytes <= 0:
+            raise ValueError(f"--expert-budget {text!r} leaves the pool empty: {hint}")
+        return cls(nbytes=nbytes)
+
+    def describe(self) -> str:
+        if self.nbytes:
+            return f"{self.nbytes / 2**20:.0f} MiB"
+        return f"{self.ratio:.0%} of the experts" if self.ratio else "auto"
+
+
+# ----------------------------------------------------------------------------- the shared option block
+
+_DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+@dataclass(frozen=True)
+class _Opt:
+    group: str
+    type: object
+    default: object
+    option: typer.models.OptionInfo
+
+
+# one declaration per knob: name → group, type, default, flags and help (llama.cpp's names)
+OPTIONS: dict[str, _Opt] = {
+    "model": _Opt("model", Optional[Path], None, typer.Option(
+        "-m", "--model", help="target MoE GGUF \\[default: the shipped model, models/MANIFEST.json]", show_default=False)),
+    "model_draft": _Opt("model", Optional[Path], None, typer.Option(
+        "-md", "--model-draft", help="draft GGUF (same vocabulary) \\[default: the shipped draft of the shipped target]",
+        show_default=False)),
+    "draft_max": _Opt("model", int, 8, typer.Option(
+        "--spec-draft-n-max", "--draft-max", help="γ, draft tokens per verification step; 0 = no draft")),
+    "expert_budget": _Opt("model", Optional[str], None, typer.Option(
+        "--expert-budget", help="device pool: bytes (512M, 2GiB) or % of all experts \\[default: the free device "
+        "memory left after the non-expert weights, the KV cache and a margin; 25% on --device CPU]",
+        show_default=False)),
+    "device": _Opt("model", Optional[str], None, typer.Option(
+        "--device", help="pool device: a ggml device name (CUDA0, ...) or CPU (the test stand-in) "
+        "\\[default: the first GPU; none: the pool is off]", show_default=False)),
+    "n_gpu_layers": _Opt("model", str, "auto", typer.Option(
+        "-ngl", "--n-gpu-layers", help="target layers whose non-expert weights go to the GPU: a number, 'all' or "
+        "'auto' (what fits in free device memory)")),
+    "threads": _Opt("model", int, _DEFAULT_THREADS, typer.Option(
+        "-t", "--threads", help="CPU threads; <= 0 = the default (as llama.cpp)")),
+    "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
+    "engine": _Opt("model", Optional[bool], None, typer.Option(
+        "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
+        show_default=False)),
+    "check_tensors": _Opt("model", bool, False, typer.Option(
+        "--check-tensors", help="check the model's tensor data for NaN/Inf on load (as llama.cpp's)")),
+    "recalibrate": _Opt("model", bool, False, typer.Option("--recalibrate", help="measure the unit costs again")),
+    "verbose": _Opt("model", bool, False, typer.Option("--verbose", help="llama.cpp logs")),
+    "temp": _Opt("sampling", float, 0.8, typer.Option("--temp", help="temperature, 0 = greedy")),
+    "top_k": _Opt("sampling", int, 40, typer.Option("--top-k", help="top-k, 0 = off")),
+    "top_p": _Opt("sampling", float, 0.95, typer.Option("--top-p", help="top-p, 1 = off")),
+    "seed": _Opt("sampling", int, -1, typer.Option("--seed", help="RNG seed, -1 = random (the seed used is reported)")),
+    "stop": _Opt("sampling", Optional[list[str]], None, typer.Option("--stop", help="stop string (repeatable)")),
+    "no_utility": _Opt("ablations", bool, False, typer.Option("--no-utility", help="ablation: binary utility (K = 1)")),
+    "no_adabc": _Opt("ablations", bool, False, typer.Option("--no-adabc", help="ablation: fixed boundaries θ↑=3, θ↓=1")),
+    "no_balancer": _Opt("ablations", bool, False, typer.Option("--no-balancer", help="ablation: fixed τ = 2")),
+    "no_prefetch": _Opt("ablations", bool, False, typer.Option("--no-prefetch", help="ablation: static expert placement")),
+    "no_evict": _Opt("ablations", bool, False, typer.Option(
+        "--no-evict", help="ablation: keep experts until the pool is full")),
+    "no_sd": _Opt("ablations", bool, False, typer.Option(
+        "--no-sd", help="ablation: autoregressive decoding on the same engine")),
+}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The shared options, checked once (`from_cli`): every value here is valid."""
+
+    model: Path | None = None
+    model_draft: Path | None = None
+    draft_max: int = 8
+    expert_budget: Budget = Budget()
+    device: str | None = None
+    n_gpu_layers: str = "auto"  # "auto", "all" or a number
+    threads: int = _DEFAULT_THREADS
+    ctx_size: int = 0
+    engine: bool | None = None
+    check_tensors: bool = False
+    recalibrate: bool = False
+    verbose: bool = False
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0                # the seed used (a random one when --seed < 0)
+    seed_random: bool = True
+    stop: tuple[str, ...] = ()
+    ablations: tuple[str, ...] = ()  # names of the Ablations switches that are on
+
+    @classmethod
+    def from_cli(cls, **values) -> RunOptions:
+        """Check and convert what typer parsed; a bad value is `fail` naming its flag (exit 2)."""
+        v = {n: values.get(n, spec.default) for n, spec in OPTIONS.items()}
+        for name, flag in (("temp", "--temp"), ("top_p", "--top-p")):
+            if not math.isfinite(v[name]):
+                fail(f"{flag} must be a finite number, got {v[name]}")
+        if not 0.0 <= v["top_p"] <= 1.0:
+            fail(f"--top-p must be in [0, 1], got {v['top_p']}")
+        if v["draft_max"] < 0:
+            fail(f"--spec-draft-n-max (--draft-max) must be >= 0 (0: no draft), got {v['draft_max']}")
+        if v["ctx_size"] < 0:
+            fail(f"-c/--ctx-size must be >= 0 (0: the model's), got {v['ctx_size']}")
+        if v["top_k"] < 0:
+            fail(f"--top-k must be >= 0 (0: off), got {v['top_k']}")
+        ngl = str(v["n_gpu_layers"]).strip().lower()
+        if ngl not in ("auto", "all") and not (ngl.isdigit()):
+            fail(f"-ngl/--n-gpu-layers must be a number >= 0, 'all' or 'auto', got {v['n_gpu_layers']!r}")
+        try:
+            budget = Budget.parse(v["expert_budget"])
+        except ValueError as e:
+            fail(str(e))
+        threads = v["threads"] if v["threads"] > 0 else _DEFAULT_THREADS  # llama.cpp: <= 0 = the default
+        seed, seed_random = v["seed"], v["seed"] < 0
+        if seed_random:
+            seed = secrets.randbits(32)
+        for path, flag in ((v["model"], "-m/--model"), (v["model_draft"], "-md/--model-draft")):
+            if path is not None and str(path) == "":
+                fail(f"{flag} is empty")
+        return cls(model=v["model"], model_draft=v["model_draft"], draft_max=v["draft_max"], expert_budget=budget,
+                   device=v["device"], n_gpu_layers=ngl, threads=threads, ctx_size=v["ctx_size"], engine=v["engine"],
+                   check_tensors=v["check_tensors"], recalibrate=v["recalibrate"], verbose=v["verbose"],
+                   temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
+                   stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))
+
+    def sampling(self):
+        from orchestrator.sampling import SamplingParams
+
+        return SamplingParams(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+    def ablation_switches(self):
+        from orchestrator.speculative import Ablations
+
+        return Ablations(**{n: True for n in self.ablations})
+
+
+def run_options(*groups: str):
+    """Decorator for a typer command with a parameter `opts: RunOptions`: the command gets the
+    shared flags of `groups` ("model", "sampling", "ablations"; default all three) as its own
+    parameters, and is called with `opts=RunOptions.from_cli(...)` instead of them.
+
+        @app.command()
+        @run_options("model", "sampling")
+        def serve(port: int = 8080, *, opts: RunOptions) -> None: ...
+    """
+    groups = groups or ("model", "sampling", "ablations")
+    names = [n for n, spec in OPTIONS.items() if spec.group in groups]
+
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        hints = typing.get_type_hints(fn, include_extras=True)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "opts"]
+        shared = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=OPTIONS[n].default,
+                                    annotation=Annotated[OPTIONS[n].type, OPTIONS[n].option]) for n in names]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            opts = RunOptions.from_cli(**{n: kwargs.pop(n) for n in names})
+            return fn(**kwargs, opts=opts)
+
+        params = own + shared
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+# ----------------------------------------------------------------------------- models and placement
+
+def default_models(models_dir: Path | None = None) -> tuple[Path | None, Path | None]:
+    """(target, default draft) of the shipped models (`orchestrator.models`), or (None, None)
+    when there is no manifest; the draft is None if the manifest names none."""
+    from orchestrator import models
+
+    models_dir = models_dir or models.MODELS_DIR
+    try:
+        target = models.default_model("target", models_dir)
+    except (OSError, KeyError, ValueError):
+        return None, None
+    try:
+        draft = models.default_model("draft", models_dir)
+    except (KeyError, ValueError):
+        draft = None
+    return target, draft
+
+
+def _is_shipped_target(path: Path, target: Path) -> bool:
+    """The shipped target, by path or (same size first, then sha256) by content: a copy
+    elsewhere still finds its draft."""
+    from orchestrator import models
+
+    try:
+        if path.resolve() == target.resolve():
+            return True
+        entry = next(f for f in models.manifest(target.parent)["files"] if f["role"] == "target")
+        return path.stat().st_size == entry["bytes"] and models.sha256_file(path) == entry["sha256"]
+    except (OSError, KeyError, StopIteration, ValueError):
+        return False
+
+
+def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
+    """(target, draft, note): -m/-md, else the shipped models; note says why there is no draft."""
+    model, draft = opts.model, opts.model_draft
+    shipped_target, shipped_draft = default_models()
+    note = ""
+    if model is None:
+        if shipped_target is None:
+            fail("no model given (-m) and no shipped default models (models/MANIFEST.json is missing)")
+        model = shipped_target
+        draft = draft or shipped_draft
+    elif draft is None:
+        if shipped_target is not None and _is_shipped_target(model, shipped_target):
+            draft = shipped_draft
+        else:
+            note = "no draft (-md DRAFT.gguf to decode speculatively)"
+    if opts.draft_max == 0 and draft is not None:
+        draft, note = None, "no draft (--spec-draft-n-max 0)"
+    if "no_sd" in opts.ablations and draft is not None:
+        draft, note = None, "no draft (--no-sd)"
+    return model, draft, note
+
+
+@dataclass
+class Setup:
+    """What `open_session` decided before loading anything."""
+
+    config: object             # orchestrator.speculative.SessionConfig
+    notes: list[str]           # one line each, for the header and --json: no draft, pool placement
+    pool_off_reason: str = ""  # empty when the pool is (to be) on
+
+
+def session_setup(opts: RunOptions) -> Setup:
+    """SessionConfig and placement from the options; a bad file, device or budget is `fail`."""
+    from orchestrator.llm import ModelError, check_gguf
+    from orchestrator.placement import PlacementError, first_gpu, model_sizes, place
+    from orchestrator.native import engine_built
+    from orchestrator.speculative import SessionConfig
+
+    model, draft, draft_note = resolve_models(opts)
+    for path in (model, draft):
+        if path is not None:
+            try:
+                check_gguf(path)
+            except ModelError as e:
+                fail(str(e))
+    try:
+        sizes = model_sizes(model)
+    except Exception as e:  # noqa: BLE001 - the gguf reader raises many kinds on a damaged file
+        fail(f"{model}: cannot read the GGUF header ({type(e).__name__}: {e})")
+    n_ctx = opts.ctx_size or sizes.n_ctx_train or 4096
+    engine = opts.engine
+    if engine is None and (opts.device is not None or not opts.expert_budget.auto):
+        engine = True  # asked for a pool: failing to make one is an error, not a silent fallback
+    built = engine_built()
+    if engine and not built:
+        fail("--engine/--device/--expert-budget: this llama.cpp has no spac engine (run scripts/build_native.py)")
+    if opts.device is not None and opts.device.upper() != "CPU":
+        from orchestrator.placement import devices
+
+        names = [d[0] for d in devices()]
+        if opts.device not in names:
+            fail(f"--device {opts.device}: no such device; ggml sees {', '.join(names)} (CPU = the test stand-in)")
+    try:
+        p = place(sizes, n_ctx, first_gpu(), opts.device,
+                  opts.expert_budget, opts.n_gpu_layers, engine if sizes.expert_bytes else False)
+    except PlacementError as e:
+        fail(str(e))
+    notes = [n for n in (draft_note,) if n]
+    off = ""
+    if not sizes.expert_bytes:
+        off = f"expert pool off: {model.name} is dense (no routed experts)"
+    elif engine is False:
+        off = "expert pool off (--no-engine)"
+    elif not built:
+        off = "expert pool off: this llama.cpp has no spac engine (scripts/build_native.py)"
+    elif p.device is None:
+        off = p.note
+    notes.append(off or p.note)
+    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_threads=opts.threads,
+                        n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
+                        budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
+                        recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors)
+    return Setup(cfg, notes, off)
+
+
+def open_session(opts: RunOptions):
+    """(Session, Setup), or one clear line and exit 2 (bad file, vocabulary mismatch, engine).
+    Ctrl-C while loading raises KeyboardInterrupt (never lost in a native callback)."""
+    from orchestrator.llm import ModelError
+    from orchestrator.native import NativeError
+    from orchestrator.speculative import Session
+
+    setup = session_setup(opts)
+    try:
+        return Session(setup.config), setup
+    except (ModelError, NativeError, ValueError) as e:
+        fail(str(e))

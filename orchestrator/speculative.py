@@ -89,6 +89,7 @@ class SessionConfig:
     recalibrate: bool = False
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
     verbose: bool = False
+    check_tensors: bool = False  # llama.cpp's --check-tensors: validate the weights' data on load
 
 
 @dataclass
@@ -153,7 +154,8 @@ class Session:
             self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
 
     def _model(self, path, n_gpu_layers: int) -> Model:
-        m = Model(path, n_gpu_layers=n_gpu_layers, use_extra_bufts=self.cfg.use_extra_bufts, verbose=self.cfg.verbose)
+        m = Model(path, n_gpu_layers=n_gpu_layers, use_extra_bufts=self.cfg.use_extra_bufts, verbose=self.cfg.verbose,
+                  check_tensors=self.cfg.check_tensors)
         self._models.append(m)
         return m
 

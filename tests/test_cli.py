@@ -41,7 +41,8 @@ runner = CliRunner()
 def engine_args(request):
     if request.param == "engine" and not engine_built():
         pytest.skip("native engine not built")
-    return ["--no-engine"] if request.param == "no_engine" else ["--engine", "--expert-budget", "50%"]
+    # the CPU pool is the test device: without a GPU, the default run has no pool
+    return ["--no-engine"] if request.param == "no_engine" else ["--engine", "--device", "CPU", "--expert-budget", "50%"]
 
 
 def test_generate_json(models, engine_args):

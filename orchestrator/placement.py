@@ -1,0 +1,174 @@
+"""Where the weights go by default: the target's non-expert layers (-ngl) and the expert pool.
+
+    sizes = model_sizes("target.gguf")                 # read from the GGUF header, nothing loaded
+    p = place(sizes, n_ctx=4096, gpu=first_gpu(), device=None, budget=Budget(), ngl="auto")
+    p.device, p.n_gpu_layers, p.pool_bytes, p.note
+
+The rule (`place`, a pure function, unit-tested without a GPU), like llama.cpp's `-ngl auto`
+with `--fit`: with a GPU, the non-expert weights of as many layers as fit go to it (all of them
+on any GPU this tool targets), and the pool takes the free device memory left after them, their
+KV cache and a safety margin. Without a GPU the pool is off: the CPU pool (`--device CPU`) is a
+test device, slower than no pool. `--expert-budget`, `-ngl` and `--device` override.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.options import Budget
+
+MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
+CPU_RATIO = 0.25       # pool size on the CPU test device when no --expert-budget is given
+_EXPERT_TENSOR = "_exps."  # ffn_{up,gate,down,gate_up}_exps: the routed experts
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    n_layer: int
+    expert_bytes: int          # every routed expert of every layer
+    non_expert_bytes: int      # attention, router, norms, shared experts, embeddings, output head
+    kv_bytes_per_token: int    # F16 K and V over all layers
+    n_experts_total: int = 0   # n_layer_moe * n_expert (for the size of one expert)
+    n_ctx_train: int = 0       # the GGUF's context_length
+
+    @property
+    def one_expert(self) -> int:
+        return self.expert_bytes // self.n_experts_total if self.n_experts_total else 0
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str     # ggml device name, e.g. CUDA0
+    free: int     # bytes
+    total: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str | None     # pool device; None: the pool is off
+    n_gpu_layers: int      # target layers whose non-expert weights go to the GPU
+    pool_bytes: int        # > 0: a byte budget for the pool
+    pool_ratio: float      # > 0: a share of all experts (when pool_bytes is 0)
+    note: str              # one line: where things went and why (or why the pool is off)
+
+
+class PlacementError(ValueError):
+    """An explicit request that cannot be met; the message names the flag."""
+
+
+def _layers(ngl: str, n_layer: int) -> int | None:
+    if ngl == "all":
+        return n_layer
+    if ngl == "auto":
+        return None
+    return min(int(ngl), n_layer)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, budget: Budget, ngl: str = "auto",
+          engine: bool | None = None, margin: int = MARGIN) -> Placement:
+    """The placement for these model sizes, this free GPU memory (gpu: the first GPU, None if
+    there is none) and these options (device: --device; budget: --expert-budget; ngl: -ngl;
+    engine: --engine/--no-engine, None = on when possible)."""
+    n_layer = max(sizes.n_layer, 1)
+    want = _layers(ngl, n_layer)
+    on_gpu = gpu if device is None or (gpu is not None and gpu.name == device) else None
+    if on_gpu is None and device is not None:  # CPU (the test stand-in) or a device of unknown memory (RPC)
+        name = "the CPU test device" if device.upper() == "CPU" else device
+        if budget.nbytes > sizes.expert_bytes > 0:
+            return Placement(device, want or 0, sizes.expert_bytes, 0.0, f"expert pool on {name}: every expert "
+                             f"(--expert-budget {_mib(budget.nbytes)} > {_mib(sizes.expert_bytes)} of experts)")
+        return Placement(device, want or 0, budget.nbytes, budget.ratio or (0.0 if budget.nbytes else CPU_RATIO),
+                         f"expert pool on {name}, {budget.describe() if not budget.auto else f'{CPU_RATIO:.0%} of the experts'}")
+    if device is None and gpu is None:
+        ngl_off = want or 0
+        if engine:
+            raise PlacementError("--engine: no GPU found for the expert pool (--device CPU runs it on the CPU test device)")
+        return Placement(None, ngl_off, 0, 0.0, "expert pool off: no GPU found (--device CPU runs it on the CPU test device)")
+    per_layer = (sizes.non_expert_bytes + sizes.kv_bytes_per_token * n_ctx) / n_layer
+    if want is None:  # auto: as many layers as fit, keeping the margin
+        want = max(0, min(n_layer, int((on_gpu.free - margin) // per_layer))) if per_layer > 0 else n_layer
+    used = per_layer * want
+    if engine is False or not sizes.expert_bytes:
+        why = "--no-engine" if sizes.expert_bytes else "the model has no routed experts"
+        return Placement(None, want, 0, 0.0, f"expert pool off ({why}); {want}/{n_layer} layers on {on_gpu.name}")
+    left = int(on_gpu.free - used - margin)
+    if not budget.auto:
+        pool = budget.nbytes or int(budget.ratio * sizes.expert_bytes)
+        if pool > left:
+            raise PlacementError(f"--expert-budget {_mib(pool)} does not fit {on_gpu.name}: {_mib(max(left, 0))} free "
+                                 f"after {want} layers' weights and KV cache and a {_mib(margin)} margin")
+        return Placement(on_gpu.name, want, min(pool, sizes.expert_bytes), 0.0,
+                         f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(min(pool, sizes.expert_bytes))}")
+    if left < max(sizes.one_expert, 1):
+        if engine:
+            raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
+                                 f"{_mib(used)} for {want} layers' weights and KV cache); lower -ngl or --ctx-size")
+        return Placement(None, want, 0, 0.0, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
+                         f"({_mib(on_gpu.free)} free, {_mib(used)} for their weights and KV cache)")
+    pool = min(left, sizes.expert_bytes)
+    return Placement(on_gpu.name, want, pool, 0.0, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool "
+                     f"{_mib(pool)} ({pool / sizes.expert_bytes:.0%} of the experts)")
+
+
+# ----------------------------------------------------------------------------- inputs of the rule
+
+def model_sizes(path: str | Path) -> ModelSizes:
+    """Sizes from the GGUF header and tensor table (memory-mapped, no weight is read)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+
+    def get(key: str, default=0):
+        f = r.get_field(key)
+        return default if f is None else f.contents()
+
+    arch = get(gguf.Keys.General.ARCHITECTURE, "?")
+    k = lambda key: key.format(arch=arch)  # noqa: E731
+    n_layer = int(get(k(gguf.Keys.LLM.BLOCK_COUNT), 1))
+    n_head = int(get(k(gguf.Keys.Attention.HEAD_COUNT), 1) or 1)
+    n_head_kv = get(k(gguf.Keys.Attention.HEAD_COUNT_KV), n_head)
+    n_head_kv = int(max(n_head_kv) if isinstance(n_head_kv, list) else n_head_kv)
+    n_embd = int(get(k(gguf.Keys.LLM.EMBEDDING_LENGTH), 0))
+    k_len = int(get(k(gguf.Keys.Attention.KEY_LENGTH), n_embd // n_head))
+    v_len = int(get(k(gguf.Keys.Attention.VALUE_LENGTH), k_len))
+    n_expert = int(get(k(gguf.Keys.LLM.EXPERT_COUNT), 0))
+    expert = sum(int(t.n_bytes) for t in r.tensors if _EXPERT_TENSOR in t.name + ".")
+    other = sum(int(t.n_bytes) for t in r.tensors) - expert
+    n_moe = len({t.name.split(".")[1] for t in r.tensors if _EXPERT_TENSOR in t.name + "." and t.name.startswith("blk.")})
+    return ModelSizes(n_layer=n_layer, expert_bytes=expert, non_expert_bytes=other,
+                      kv_bytes_per_token=2 * n_layer * n_head_kv * (k_len + v_len), n_experts_total=n_moe * n_expert,
+                      n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)))
+
+
+def devices() -> list[tuple[str, int, int, int]]:
+    """Every ggml device as (name, type, free bytes, total bytes); type 1 is a GPU
+    (ggml_backend_dev_type). Read from ggml's backend registry, which llama.cpp fills."""
+    from orchestrator.native import ggml_library
+
+    g = ggml_library("ggml")
+    g.ggml_backend_dev_count.restype = ctypes.c_size_t
+    g.ggml_backend_dev_get.restype = ctypes.c_void_p
+    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    g.ggml_backend_dev_type.restype = ctypes.c_int
+    g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_dev_name.restype = ctypes.c_char_p
+    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    out = []
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        g.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append((g.ggml_backend_dev_name(dev).decode(), g.ggml_backend_dev_type(dev), free.value, total.value))
+    return out
+
+
+def first_gpu() -> GPU | None:
+    """The first GPU ggml sees, with its free memory; None without one."""
+    return next((GPU(name, free, total) for name, kind, free, total in devices() if kind == 1), None)
