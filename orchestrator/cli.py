@@ -122,6 +122,18 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
+def _nan_output(session) -> str:
+    """Why the output is garbage, when the target's last logits hold NaN or Inf ("" if not)."""
+    import numpy as np
+
+    try:
+        finite = bool(np.isfinite(session.ctx.logits()).all())
+    except (AttributeError, ValueError):  # no decode yet
+        return ""
+    return "" if finite else (f"{session.target.path.name} computes NaN/Inf: its weights are damaged "
+                              "(--check-tensors names the tensor)")
+
+
 def _no_limit(n_predict: int, flag: str = "-n/--n-predict") -> int:
     """llama.cpp: -1 = no limit (-2: until the context is full, the same here)."""
     if n_predict < -2:
@@ -174,8 +186,10 @@ def generate(
             except KeyboardInterrupt:
                 interrupted = True
                 chunks.close()
-        except (ModelError, ValueError) as e:
-            fail(str(e))
+        except (ModelError, ValueError, FloatingPointError) as e:
+            fail(_nan_output(session) or str(e))
+        if _nan_output(session):
+            fail(_nan_output(session))
         m = session.last_metrics
         if interrupted:
             m.stop_reason = "interrupted"

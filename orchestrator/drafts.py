@@ -56,6 +56,9 @@ def quantized(src: Path, dst: Path, type: str = typer.Option("q4_0", "--type", h
     then renamed: DST is whole or untouched)."""
     _check_source(src)
     check_output(dst, force, inputs=[src])
+    from orchestrator.llm import init_backend
+
+    init_backend()  # llama.cpp's errors only
     try:
         out = quantize_gguf(src, dst, type)
     except ValueError as e:

@@ -45,7 +45,8 @@ _backend_ready = False
 _load_errors: list[str] | None = None  # while a model loads: llama.cpp's error lines, for the ModelError
 
 
-def _init_backend(verbose: bool) -> None:
+def init_backend(verbose: bool = False) -> None:
+    """llama.cpp's backend, once; verbose=False keeps only its errors (on stderr)."""
     global _backend_ready
     if not _backend_ready:
         if not verbose:
@@ -120,7 +121,7 @@ class Model:
         global _load_errors
         self.path = check_gguf(path)
         self.ptr = None
-        _init_backend(verbose)
+        init_backend(verbose)
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = use_extra_bufts
@@ -142,8 +143,8 @@ class Model:
                     self.ptr = None
                 return  # deferred_sigint raises KeyboardInterrupt on leaving
         if not self.ptr:
-            why = next((e for e in reversed(errors) if "invalid" in e or "nan" in e.lower()), errors[-1] if errors else "")
-            why = why.removeprefix("llama_model_load: error loading model: ").strip()
+            bad = [e.split(": ", 1)[-1] for e in errors if "has invalid data" in e]  # --check-tensors
+            why = ", ".join(bad[:3]) + " (NaN or Inf)" if bad else (errors[-1].split(": ")[-1] if errors else "")
             raise ModelError(f"llama.cpp could not load {self.path}: {why or 'corrupt file or unsupported architecture'}")
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
