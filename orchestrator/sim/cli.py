@@ -10,12 +10,14 @@ Without `--trace`, the simulator replays a synthetic trace with the target model
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
 import typer
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from orchestrator.policies import POLICIES
@@ -28,6 +30,7 @@ app = typer.Typer(help="Trace-driven simulation of expert caching policies (tabl
                   no_args_is_help=True)
 trace_app = typer.Typer(help="Routing traces: record, synthesise, inspect.", no_args_is_help=True)
 console = Console(width=150)
+err_console = Console(stderr=True, highlight=False)
 
 DEFAULT_RATIOS = "0.05,0.10,0.17,0.25,0.35,0.50"
 
@@ -115,14 +118,28 @@ def _dump(out: Optional[Path], name: str, payload) -> None:
 
 
 def _write(out: Optional[Path], stem: str, payload, draw) -> None:
-    """With --out: stem.json from payload and stem.png by draw(plots_module, path)."""
+    """With --out: stem.json from payload and stem.png by draw(plots_module, path); without
+    matplotlib (not in the plain install) the JSON is written and the plot skipped, saying so."""
     if out is None:
         return
-    from orchestrator.sim import plots  # matplotlib only when a plot is asked for
-
-    draw(plots, out / f"{stem}.png")
     _dump(out, f"{stem}.json", payload)
+    try:
+        from orchestrator.sim import plots  # matplotlib only when a plot is asked for
+    except ImportError:
+        err_console.print(f"wrote {out / stem}.json; skipped {stem}.png: matplotlib is not installed "
+                          "(pip install matplotlib)", soft_wrap=True)
+        return
+    draw(plots, out / f"{stem}.png")
     console.print(f"wrote {out / stem}.png and .json")
+
+
+@contextmanager
+def _working(what: str):
+    """A spinner with elapsed time on stderr while long work runs (stdout keeps the tables)."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                  transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
 
 
 @app.command("profiles")
@@ -148,7 +165,9 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
 
     t = _trace(trace, steps, seed, gamma, acceptance, model)
     config = _config(hardware, model, draft, cache_ratio, visibility, quant)
-    results, skipped = compare(t, config, _names(policy))
+    names = _names(policy)
+    with _working(f"simulating {len(names)} policies on {t.n_steps} steps"):
+        results, skipped = compare(t, config, names)
     setting = _setting(t, config)
     console.print(_table(setting, [r.row() for r in results]))
     for s in skipped:
@@ -169,7 +188,8 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
     t = _trace(trace, steps, seed, gamma, acceptance, model)
     rs = _ratios(ratios)
     config = _config(hardware, model, draft, rs[0], visibility, quant)
-    sweep = sweep_cache_ratio(t, config, _names(policy), rs)
+    with _working(f"sweeping {len(rs)} cache ratios"):
+        sweep = sweep_cache_ratio(t, config, _names(policy), rs)
     rows = [{"policy": name, **{f"{100 * r:.0f}%": (np.nan if x is None else x.tokens_per_s) for r, x in zip(rs, res)}}
             for name, res in sweep.items()]
     console.print(_table("tokens/s vs expert cache ratio — " + _setting(t, config).split("; cache")[0], rows))
@@ -190,7 +210,8 @@ def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: i
     t = _trace(trace, steps, seed, gamma, acceptance, model)
     config = _config(hardware, model, draft, cache_ratio, visibility, quant)
     ks = list(range(1, k_max + 1))
-    results = sweep_k(t, config, ks)
+    with _working(f"sweeping K = 1..{k_max}"):
+        results = sweep_k(t, config, ks)
     rows = [{"K": k, **r.row()} for k, r in zip(ks, results)]
     for row in rows:
         row.pop("policy")
@@ -212,7 +233,8 @@ def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
     if trace is None:
         ar = _trace(None, t.n_generated, seed, 0, acceptance, model)
     config = _config(hardware, model, draft, cache_ratio, visibility, quant)
-    rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
+    with _working("simulating the ablations"):
+        rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
     for row in rows:
         row.pop("policy")
     console.print(_table("ablation — " + _setting(t, config), rows))
@@ -318,7 +340,7 @@ def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"
     cfg = SessionConfig(model=model, draft=model_draft, gamma=draft_max, n_ctx=ctx_size, n_threads=threads,
                         engine=True, budget_ratio=budget_ratio)
     try:
-        with Session(cfg) as session:
+        with _working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), Session(cfg) as session:
             t = record_trace(session, out, texts, n_predict)
     except (ValueError, OSError, RuntimeError) as e:
         console.print(f"[red]spac trace record: {e}[/red]")
