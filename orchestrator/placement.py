@@ -7,8 +7,9 @@
 The rule (`place`, a pure function, unit-tested without a GPU), like llama.cpp's `-ngl auto`
 with `--fit`: with a GPU, the non-expert weights of as many layers as fit go to it (all of them
 on any GPU this tool targets), and the pool takes the free device memory left after them, their
-KV cache and a safety margin. Without a GPU the pool is off: the CPU pool (`--device CPU`) is a
-test device, slower than no pool. `--expert-budget`, `-ngl` and `--device` override.
+KV cache and a safety margin (no pool if that leaves less than one expert per layer). Without
+a GPU the pool is off: the CPU pool (`--device CPU`) is a test device, slower than no pool.
+`--expert-budget`, `-ngl` and `--device` override.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
                                  f"after {want} layers' weights and KV cache and a {_mib(margin)} margin")
         return Placement(on_gpu.name, want, min(pool, sizes.expert_bytes), 0.0,
                          f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(min(pool, sizes.expert_bytes))}")
-    if left < max(sizes.one_expert, 1):
+    if left < max(sizes.one_expert * n_layer, 1):  # less than one slot per layer: not worth a pool
         if engine:
             raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
                                  f"{_mib(used)} for {want} layers' weights and KV cache); lower -ngl or --ctx-size")

@@ -1,0 +1,113 @@
+"""The default placement rule (orchestrator.placement.place): a pure function of model sizes,
+free device memory and the options, tested without a GPU; and the shared option block."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import typer
+
+from orchestrator.options import OPTIONS, Budget, RunOptions, run_options
+from orchestrator.placement import GPU, MARGIN, ModelSizes, PlacementError, model_sizes, place
+
+GiB = 1 << 30
+# a Qwen3-30B-A3B-like Q4_K model: 48 layers, 16.5 GiB of experts, 1.5 GiB of the rest
+QWEN = ModelSizes(n_layer=48, expert_bytes=int(16.5 * GiB), non_expert_bytes=int(1.5 * GiB),
+                  kv_bytes_per_token=98304, n_experts_total=48 * 128, n_ctx_train=40960)
+
+
+def test_no_gpu_pool_off_in_one_line():
+    p = place(QWEN, 4096, None, None, Budget())
+    assert p.device is None and p.n_gpu_layers == 0 and "no GPU" in p.note and "--device CPU" in p.note
+    with pytest.raises(PlacementError, match="--engine"):
+        place(QWEN, 4096, None, None, Budget(), engine=True)
+
+
+def test_gpu_takes_every_layer_and_the_rest_goes_to_the_pool():
+    gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
+    p = place(QWEN, 4096, gpu, None, Budget())
+    used = QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096
+    assert p.device == "CUDA0" and p.n_gpu_layers == 48
+    assert p.pool_bytes == 12 * GiB - used - MARGIN
+    assert "48/48 layers on CUDA0" in p.note
+
+
+def test_pool_shrinks_with_the_context_and_is_capped_by_the_experts():
+    gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
+    assert place(QWEN, 32768, gpu, None, Budget()).pool_bytes < place(QWEN, 4096, gpu, None, Budget()).pool_bytes
+    big = GPU("CUDA0", free=80 * GiB, total=80 * GiB)
+    assert place(QWEN, 4096, big, None, Budget()).pool_bytes == QWEN.expert_bytes
+
+
+def test_small_gpu_gets_some_layers_and_no_pool():
+    gpu = GPU("CUDA0", free=int(1.8 * GiB), total=2 * GiB)
+    p = place(QWEN, 4096, gpu, None, Budget())
+    assert 0 < p.n_gpu_layers < 48 and p.device is None and "full" in p.note
+
+
+def test_overrides_win():
+    gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
+    p = place(QWEN, 4096, gpu, None, Budget(nbytes=4 * GiB), ngl="10")
+    assert p.n_gpu_layers == 10 and p.pool_bytes == 4 * GiB
+    assert place(QWEN, 4096, gpu, None, Budget(ratio=0.25)).pool_bytes == int(0.25 * QWEN.expert_bytes)
+    with pytest.raises(PlacementError, match="--expert-budget"):
+        place(QWEN, 4096, gpu, None, Budget(nbytes=16 * GiB))
+    off = place(QWEN, 4096, gpu, None, Budget(), engine=False)
+    assert off.device is None and off.n_gpu_layers == 48 and "--no-engine" in off.note
+
+
+def test_cpu_test_device_and_named_devices():
+    p = place(QWEN, 4096, None, "CPU", Budget())
+    assert p.device == "CPU" and p.pool_ratio == 0.25 and p.n_gpu_layers == 0
+    all_of_it = place(QWEN, 4096, None, "CPU", Budget(nbytes=999 * GiB))
+    assert all_of_it.pool_bytes == QWEN.expert_bytes and "every expert" in all_of_it.note
+    rpc = place(QWEN, 4096, None, "RPC0[127.0.0.1:5000]", Budget(ratio=0.5), ngl="all")
+    assert rpc.device.startswith("RPC0") and rpc.pool_ratio == 0.5 and rpc.n_gpu_layers == 48
+
+
+def test_dense_model_has_no_pool():
+    dense = ModelSizes(n_layer=2, expert_bytes=0, non_expert_bytes=5 << 20, kv_bytes_per_token=1024)
+    p = place(dense, 512, GPU("CUDA0", 8 * GiB, 8 * GiB), None, Budget())
+    assert p.device is None and "no routed experts" in p.note and p.n_gpu_layers == 2
+
+
+def test_model_sizes_of_the_shipped_target():
+    from orchestrator.models import default_model
+
+    s = model_sizes(default_model("target"))
+    assert s.n_layer == 6 and s.n_experts_total == 6 * 32 and s.expert_bytes > s.non_expert_bytes > 0
+
+
+@pytest.mark.parametrize("text,expected", [("25%", Budget(ratio=0.25)), ("512M", Budget(nbytes=512_000_000)),
+                                           ("2GiB", Budget(nbytes=2 << 30)), ("123", Budget(nbytes=123)),
+                                           (None, Budget())])
+def test_budget_parse(text, expected):
+    assert Budget.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "0%", "-5%", "0.5", "-5", "150%", "nan%", "x"])
+def test_budget_refuses(text):
+    with pytest.raises(ValueError, match="--expert-budget"):
+        Budget.parse(text)
+
+
+def test_run_options_decorator_adds_the_shared_flags_once():
+    seen = {}
+
+    @run_options("model", "sampling")
+    def cmd(port: int = 8080, *, opts: RunOptions) -> None:
+        seen.update(port=port, opts=opts)
+
+    params = inspect.signature(cmd).parameters
+    assert "opts" not in params and "port" in params and "temp" in params and "no_sd" not in params
+    app = typer.Typer()
+    app.command()(cmd)
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["--port", "1", "--temp", "0", "--seed", "5", "-t", "-1", "--draft-max", "3"])
+    assert r.exit_code == 0, r.output
+    opts = seen["opts"]
+    assert seen["port"] == 1 and opts.temp == 0 and opts.seed == 5 and not opts.seed_random
+    assert opts.threads == OPTIONS["threads"].default and opts.draft_max == 3
+    assert opts.expert_budget == Budget()
