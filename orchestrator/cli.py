@@ -254,6 +254,8 @@ def chat(
                 continue
             messages.append({"role": "user", "content": line})
             answer, ok, stopped = _answer(console, session, messages, max_tokens, opts.stop, opts.sampling())
+            if not console.is_terminal:  # a terminal's Live leaves the cursor on a new line
+                console.print()
             if stopped:
                 last_interrupt = time.monotonic()
             if ok:

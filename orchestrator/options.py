@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import sys
-import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,9 +248,9 @@ def run_options(*groups: str):
     names = [n for n, spec in OPTIONS.items() if spec.group in groups]
 
     def decorate(fn):
-        sig = inspect.signature(fn)
-        hints = typing.get_type_hints(fn, include_extras=True)
-        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "opts"]
+        # eval_str, not typing.get_type_hints: on 3.10 that wraps a None default's Annotated in Optional
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
         shared = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=OPTIONS[n].default,
                                     annotation=Annotated[OPTIONS[n].type, OPTIONS[n].option]) for n in names]
 
