@@ -1,7 +1,21 @@
 """What every `spac` command shares with the user: one-line errors, safe output files, and the
-option block of `generate`, `chat`, `calibrate` (and `serve`, `trace record`) defined once.
+option block of `generate`, `chat`, `calibrate` (and `serve`, `trace record`) declared once.
 
-    from orchestrator.options import check_output, fail
+    from orchestrator.options import RunOptions, open_session, run_options
+
+    @app.command()
+    @run_options("model", "sampling")         # groups: "model", "sampling", "ablations" (default: all)
+    def serve(port: int = 8080, *, opts: RunOptions) -> None:
+        session, setup = open_session(opts)   # bad file/device/budget: one line, exit 2
+        print(setup.notes)                     # header lines: why no draft, where the pool went
+        session.generate(prompt, 128, opts.stop, opts.sampling())
+
+`OPTIONS` holds each knob once (flags, type, default, help, in llama.cpp's names);
+`run_options` adds the chosen groups to a typer command and hands it one checked `RunOptions`
+(`RunOptions.from_cli`: every value valid, --expert-budget parsed once into a `Budget`, the seed
+drawn once when --seed < 0 so it can be reported). `session_setup` turns options into a
+`SessionConfig` with the default models and the placement (`orchestrator.placement`); it loads
+nothing (`spac generate --dry-run`). Also:
 
     fail("--temp must be a finite number")      # "spac: error: ..." on stderr, exit 2
     check_output(dst, force, inputs=[src])      # the output is not the input, nor exists unless --force
