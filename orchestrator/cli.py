@@ -185,7 +185,8 @@ def generate(
                         _write(chunk)
             except KeyboardInterrupt:
                 interrupted = True
-                chunks.close()
+                with deferred_sigint():  # a second Ctrl-C while the caches are trimmed waits
+                    chunks.close()
         except (ModelError, ValueError, FloatingPointError) as e:
             fail(_nan_output(session) or str(e))
         if _nan_output(session):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from orchestrator.models import default_model, sha256_file
@@ -319,8 +320,11 @@ def test_ctrl_c_in_generate_says_interrupted_exit_130(json_out):
     args = ["generate", "x", "-t", "1", "-n", "-1", "-c", "100000", "--temp", "0"] + (["--json"] if json_out else [])
     proc, out = _start(*args)
     try:
-        if json_out:
-            time.sleep(6)  # loading, then generating with nothing printed
+        if json_out:  # nothing is printed until the end: wait until it has computed for a while
+            deadline = time.time() + 60
+            while psutil.Process(proc.pid).cpu_times().user < 5.0:
+                assert time.time() < deadline and proc.poll() is None
+                time.sleep(0.1)
         else:
             _wait_for(out, "0", proc)  # streaming
         assert proc.poll() is None
