@@ -111,3 +111,49 @@ def test_run_options_decorator_adds_the_shared_flags_once():
     assert seen["port"] == 1 and opts.temp == 0 and opts.seed == 5 and not opts.seed_random
     assert opts.threads == OPTIONS["threads"].default and opts.draft_max == 3
     assert opts.expert_budget == Budget()
+
+
+OFFLOAD_CHECK = """
+import sys
+from pathlib import Path
+import numpy as np
+from test_engine_rpc import rpc_device
+from engine_common import model_config, run_sequence
+from orchestrator.gguf_export import make_random_model
+from orchestrator.llm import Context, Model
+from orchestrator.speculative import Session, SessionConfig
+
+path = make_random_model(Path(sys.argv[1]) / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
+with rpc_device() as dev:
+    logits = {}
+    for ngl in (0, 99):
+        m = Model(path, n_gpu_layers=ngl)
+        c = Context(m, n_ctx=64, n_batch=16, n_threads=1)
+        logits[ngl] = run_sequence(c)
+        c.close(); m.close()
+    np.testing.assert_allclose(logits[99], logits[0], rtol=1e-4, atol=1e-4 * np.abs(logits[0]).max())
+    texts = []
+    for ngl, engine in ((0, False), (99, True)):
+        cfg = SessionConfig(model=path, n_ctx=128, n_threads=1, n_gpu_layers=ngl, engine=engine, device=dev,
+                            budget_ratio=0.5, calibration_cache=Path(sys.argv[1]) / "cal.json")
+        with Session(cfg) as s:
+            texts.append(s.complete([5, 17, 42, 99], max_tokens=16).tokens)
+            assert (s.engine is not None) == engine
+    assert texts[0] == texts[1], texts
+print("offload check passed")
+"""
+
+
+def test_offloaded_layers_keep_their_experts_on_the_host(tmp_path):
+    """-ngl on a real second device (ggml RPC on 127.0.0.1): the non-expert weights move, the
+    routed experts stay in host RAM (llama.cpp's --cpu-moe override), the logits do not change,
+    and the expert pool on that device decodes the same tokens as no pool at all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {"PYTHONPATH": f"{root}:{root / 'tests'}", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run([sys.executable, "-c", OFFLOAD_CHECK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=600, cwd=root / "tests", env=env)
+    assert "offload check passed" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
