@@ -7,7 +7,13 @@ the context's host buffer (no copies).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import socket
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
@@ -28,7 +34,20 @@ class SpacEngineParams(ctypes.Structure):
         ("max_split_tokens", c_int32),
         ("no_evict", c_bool),
         ("copy_delay_us", c_int32),
+        ("split_graph", c_int32),
+        ("join", c_int32),
+        ("only_half", c_int32),
     ]
+
+
+# how a split MoE layer is laid out (spac.h enum spac_split_graph): "overlap" runs the device
+# experts on the device and the host experts on the host, the device half queued first, one
+# crossing each way; "per-matmul" splits every expert matmul and sums it at once (the baseline)
+SPLIT_GRAPHS = {"overlap": 0, "per-matmul": 1}
+# where the halves meet (enum spac_join): "auto" = per expert on a CPU pool, partial sums on a device
+JOINS = {"auto": 0, "per-expert": 1, "partial-sums": 2}
+# benchmarks only: time one half of every split layer alone (the outputs are then wrong)
+ONLY_HALF = {None: 0, "device": 1, "host": 2}
 
 
 class SpacEngineStats(ctypes.Structure):
@@ -80,6 +99,7 @@ def _bind():
         "routing_enable": fn("spac_routing_enable", None, ctx_p, c_bool),
         "routing_get": fn("spac_routing_get", c_int32, ctx_p, POINTER(c_void_p), POINTER(c_void_p)),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
+        "graph_n_splits": fn("spac_graph_n_splits", c_int32, ctx_p),
     }
 
 
@@ -119,6 +139,11 @@ def ggml_library(name: str = "ggml") -> ctypes.CDLL:
 def _ctx_ptr(ctx) -> c_void_p:
     """Accept a llama_context_p (ctypes) or an int address."""
     return ctx if isinstance(ctx, c_void_p) else c_void_p(ctx if isinstance(ctx, int) else ctypes.cast(ctx, c_void_p).value)
+
+
+def graph_n_splits(ctx) -> int:
+    """Scheduler splits of the context's last computed graph (one per run on one backend)."""
+    return int(lib()["graph_n_splits"](_ctx_ptr(ctx)))
 
 
 class Routing:
@@ -167,7 +192,8 @@ class ExpertEngine:
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
                  budget_ratio: float = 0.25, max_split_tokens: int = 64, no_evict: bool = False,
-                 copy_delay_us: int = 0):
+                 copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
+                 only_half: str | None = None):
         self._ctx = _ctx_ptr(ctx)
         p = lib()["default_params"]()
         p.model_path = str(model_path).encode()
@@ -177,6 +203,11 @@ class ExpertEngine:
         p.max_split_tokens = int(max_split_tokens)
         p.no_evict = bool(no_evict)
         p.copy_delay_us = int(copy_delay_us)
+        for name, value, choices in (("split_graph", split_graph, SPLIT_GRAPHS), ("join", join, JOINS),
+                                     ("only_half", only_half, ONLY_HALF)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+            setattr(p, name, choices[value])
         err = ctypes.create_string_buffer(_ERR_LEN)
         # the device/CPU counts in stats() are taken from the routing export
         lib()["routing_enable"](self._ctx, True)
@@ -275,3 +306,70 @@ def _pairs(rows, what: str) -> np.ndarray | None:
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ValueError(f"plan.{what} must be int32 [n, 2] (layer, expert) rows, got shape {arr.shape}")
     return arr
+
+
+_RPC_SERVER = textwrap.dedent("""
+    import ctypes, sys
+    from pathlib import Path
+    from llama_cpp import llama_cpp as low
+    libdir = Path(low._lib._name).parent
+    ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
+    rpc = ctypes.CDLL(str(libdir / "libggml-rpc.so.0"))
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
+    cpu = (ctypes.c_void_p * 1)(ggml.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
+    print("ready", flush=True)
+    rpc.ggml_backend_rpc_start_server(sys.argv[1].encode(), None, int(sys.argv[2]), 1, cpu)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rpc_device(n_threads: int = 1):
+    """Start a ggml RPC server process on 127.0.0.1 exposing its CPU (n_threads threads),
+    register it in this process and yield the RPC device's name; the server stops on exit.
+
+    A registered RPC device cannot be unregistered: once its server is gone, every later model
+    load in this process would try to reach it, so use one process per server."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen([sys.executable, "-c", _RPC_SERVER, endpoint, str(n_threads)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise NativeError("the RPC server process did not start (is this llama.cpp built with GGML_RPC?)")
+        ggml, rpc = ggml_library("ggml"), ggml_library("ggml-rpc")
+        rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+        rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+        ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        ggml.ggml_backend_dev_name.restype = ctypes.c_char_p
+        ggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+        host, port = endpoint.split(":")
+        for _ in range(100):  # add_server aborts if nobody listens: wait for the socket first
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+        if not reg:
+            raise NativeError(f"could not reach the RPC server at {endpoint}")
+        ggml.ggml_backend_register(reg)
+        names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)).decode()
+                 for i in range(ggml.ggml_backend_dev_count())]
+        rpc_names = [n for n in names if n.startswith("RPC")]
+        if not rpc_names:
+            raise NativeError(f"no RPC device registered (devices: {names})")
+        yield rpc_names[0]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -89,6 +89,34 @@ def test_split_is_bit_identical(models, arch, quant, threads):
         model.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("split_graph, join", [("per-matmul", "auto"), ("overlap", "partial-sums")])
+def test_other_split_graphs(models, arch, split_graph, join):
+    """The per-matmul baseline is bit-identical too; partial sums differ by rounding only."""
+    path = models[arch, "q8_0"]
+    model = Model(path, use_extra_bufts=False)
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    try:
+        reference = run_sequence(ctx)
+        rng = np.random.default_rng(3)
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.5, split_graph=split_graph, join=join) as engine:
+            L, E = engine.n_moe_layers, engine.n_expert
+            for _ in range(10):
+                engine.set_plan(random_plan(rng, L, E))
+                assert engine.wait_idle()
+                got = run_sequence(ctx)
+                if join == "partial-sums":
+                    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+                else:
+                    assert got.tobytes() == reference.tobytes()
+            assert engine.stats()["n_expert_tokens_device"] > 0
+        with pytest.raises(ValueError, match="split_graph must be one of"):
+            ExpertEngine(ctx.ptr, path, split_graph="sideways")
+    finally:
+        ctx.close()
+        model.close()
+
+
 def test_late_prefetch_stays_exact(models):
     """Verify passes run while copies are still in flight (slowed by a test-only delay)."""
     path = models["qwen3moe", "q8_0"]

@@ -9,79 +9,17 @@ gone every later model load in the process would try to reach it.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import socket
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 
 from orchestrator.gguf_export import make_random_model
-from orchestrator.native import ggml_library
+from orchestrator.native import graph_n_splits, rpc_device
 from orchestrator.plan import Plan
 
 from engine_common import PROMPT, model_config, run_sequence
-
-SERVER = textwrap.dedent("""
-    import ctypes, sys
-    from pathlib import Path
-    from llama_cpp import llama_cpp as low
-    libdir = Path(low._lib._name).parent
-    ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
-    rpc = ctypes.CDLL(str(libdir / "libggml-rpc.so.0"))
-    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
-                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
-    cpu = (ctypes.c_void_p * 1)(ggml.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
-    print("ready", flush=True)
-    rpc.ggml_backend_rpc_start_server(sys.argv[1].encode(), None, 1, 1, cpu)
-""")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def rpc_device():
-    """Start the server, register it in this process, return the RPC device's name."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, endpoint], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        ggml, rpc = ggml_library("ggml"), ggml_library("ggml-rpc")
-        rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
-        rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
-        ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
-        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        ggml.ggml_backend_dev_name.restype = ctypes.c_char_p
-        ggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-        host, port = endpoint.split(":")
-        for _ in range(100):  # add_server aborts if nobody listens: wait for the socket first
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
-        assert reg, "could not reach the RPC server"
-        ggml.ggml_backend_register(reg)
-        names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)).decode() for i in range(ggml.ggml_backend_dev_count())]
-        rpc_names = [n for n in names if n.startswith("RPC")]
-        assert rpc_names, names
-        yield rpc_names[0]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def check_pool_on_rpc_device(rpc_device, tmp_path):
@@ -93,19 +31,29 @@ def check_pool_on_rpc_device(rpc_device, tmp_path):
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     try:
         reference = run_sequence(ctx)
-        rng = np.random.default_rng(0)
-        with ExpertEngine(ctx.ptr, path, device=rpc_device, budget_ratio=0.5) as engine:
-            L, E = engine.n_moe_layers, engine.n_expert
-            for i in range(10):
-                utility = rng.integers(0, 5, (L, E)).astype(np.uint8)
-                engine.set_plan(Plan(utility, np.full(L, 2, np.int32)))
-                assert engine.wait_idle(60)
-                got = run_sequence(ctx)
-                np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
-            stats = engine.stats()
-            assert stats["bytes_copied"] > 0 and stats["n_copies"] > 0
-            assert stats["n_expert_tokens_device"] > 0
-            assert (engine.residency() >= 0).sum() == stats["n_resident"] > 0
+        splits_unsplit = graph_n_splits(ctx.ptr)
+        crossings = {}
+        for split_graph, join in (("overlap", "auto"), ("overlap", "per-expert"), ("per-matmul", "auto")):
+            rng = np.random.default_rng(0)
+            with ExpertEngine(ctx.ptr, path, device=rpc_device, budget_ratio=0.5, split_graph=split_graph,
+                              join=join) as engine:
+                L, E = engine.n_moe_layers, engine.n_expert
+                for i in range(10):
+                    utility = rng.integers(0, 5, (L, E)).astype(np.uint8)
+                    engine.set_plan(Plan(utility, np.full(L, 2, np.int32)))
+                    assert engine.wait_idle(60)
+                    got = run_sequence(ctx)
+                    np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+                # every layer on the host, the pool on the server: each split MoE layer adds
+                # host -> device -> host, i.e. its crossings
+                crossings[split_graph, join] = (graph_n_splits(ctx.ptr) - splits_unsplit) / L
+                stats = engine.stats()
+                assert stats["bytes_copied"] > 0 and stats["n_copies"] > 0
+                assert stats["n_expert_tokens_device"] > 0
+                assert (engine.residency() >= 0).sum() == stats["n_resident"] > 0
+        print("crossings per MoE layer:", crossings)
+        assert crossings["overlap", "auto"] == crossings["overlap", "per-expert"] == 2
+        assert crossings["per-matmul", "auto"] == 6
         assert len(PROMPT) == 8
     finally:
         ctx.close()
