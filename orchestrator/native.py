@@ -36,6 +36,7 @@ class SpacEngineParams(ctypes.Structure):
         ("copy_delay_us", c_int32),
         ("split_graph", c_int32),
         ("join", c_int32),
+        ("skip_absent", c_bool),
         ("only_half", c_int32),
     ]
 
@@ -100,6 +101,7 @@ def _bind():
         "routing_get": fn("spac_routing_get", c_int32, ctx_p, POINTER(c_void_p), POINTER(c_void_p)),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
         "graph_n_splits": fn("spac_graph_n_splits", c_int32, ctx_p),
+        "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
     }
 
 
@@ -146,6 +148,11 @@ def graph_n_splits(ctx) -> int:
     return int(lib()["graph_n_splits"](_ctx_ptr(ctx)))
 
 
+def graph_n_crossings(ctx) -> int:
+    """Changes of backend from one compute node to the next in the context's last graph."""
+    return int(lib()["graph_n_crossings"](_ctx_ptr(ctx)))
+
+
 class Routing:
     """Routing export of one llama context: which experts the last decode's tokens chose."""
 
@@ -187,13 +194,15 @@ class ExpertEngine:
     """A device expert pool attached to one llama context (see spac.h).
 
     device: None or "CPU" for a second CPU buffer, else a ggml device name ("CUDA0", "RPC0[...]").
+    skip_absent: the device skips id -1 like ggml-cpu (an RPC server built from this patch
+    series), so non-resident rows cost it nothing instead of a multiply by the all-zero slot.
     Budget: budget_bytes if > 0, else budget_ratio of all expert bytes.
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
                  budget_ratio: float = 0.25, max_split_tokens: int = 64, no_evict: bool = False,
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
-                 only_half: str | None = None):
+                 skip_absent: bool = False, only_half: str | None = None):
         self._ctx = _ctx_ptr(ctx)
         p = lib()["default_params"]()
         p.model_path = str(model_path).encode()
@@ -203,6 +212,7 @@ class ExpertEngine:
         p.max_split_tokens = int(max_split_tokens)
         p.no_evict = bool(no_evict)
         p.copy_delay_us = int(copy_delay_us)
+        p.skip_absent = bool(skip_absent)
         for name, value, choices in (("split_graph", split_graph, SPLIT_GRAPHS), ("join", join, JOINS),
                                      ("only_half", only_half, ONLY_HALF)):
             if value not in choices:

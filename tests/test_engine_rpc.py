@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.gguf_export import make_random_model
-from orchestrator.native import graph_n_splits, rpc_device
+from orchestrator.native import graph_n_crossings, graph_n_splits, rpc_device
 from orchestrator.plan import Plan
 
 from engine_common import PROMPT, model_config, run_sequence
@@ -31,12 +31,13 @@ def check_pool_on_rpc_device(rpc_device, tmp_path):
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     try:
         reference = run_sequence(ctx)
-        splits_unsplit = graph_n_splits(ctx.ptr)
+        assert graph_n_crossings(ctx.ptr) == 0 and graph_n_splits(ctx.ptr) == 1
         crossings = {}
-        for split_graph, join in (("overlap", "auto"), ("overlap", "per-expert"), ("per-matmul", "auto")):
+        for split_graph, join, skip in (("overlap", "auto", False), ("overlap", "per-expert", False),
+                                        ("overlap", "auto", True), ("per-matmul", "auto", False)):
             rng = np.random.default_rng(0)
             with ExpertEngine(ctx.ptr, path, device=rpc_device, budget_ratio=0.5, split_graph=split_graph,
-                              join=join) as engine:
+                              join=join, skip_absent=skip) as engine:
                 L, E = engine.n_moe_layers, engine.n_expert
                 for i in range(10):
                     utility = rng.integers(0, 5, (L, E)).astype(np.uint8)
@@ -44,16 +45,17 @@ def check_pool_on_rpc_device(rpc_device, tmp_path):
                     assert engine.wait_idle(60)
                     got = run_sequence(ctx)
                     np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
-                # every layer on the host, the pool on the server: each split MoE layer adds
-                # host -> device -> host, i.e. its crossings
-                crossings[split_graph, join] = (graph_n_splits(ctx.ptr) - splits_unsplit) / L
+                # every layer on the host, the pool on the server: each split MoE layer goes
+                # host -> device -> host, twice per expert matmul in the per-matmul graph
+                crossings[split_graph, join, skip] = graph_n_crossings(ctx.ptr) / L
+                assert graph_n_splits(ctx.ptr) >= graph_n_crossings(ctx.ptr) + 1
                 stats = engine.stats()
                 assert stats["bytes_copied"] > 0 and stats["n_copies"] > 0
                 assert stats["n_expert_tokens_device"] > 0
                 assert (engine.residency() >= 0).sum() == stats["n_resident"] > 0
         print("crossings per MoE layer:", crossings)
-        assert crossings["overlap", "auto"] == crossings["overlap", "per-expert"] == 2
-        assert crossings["per-matmul", "auto"] == 6
+        assert set(c for (graph, *_), c in crossings.items() if graph == "overlap") == {2}
+        assert crossings["per-matmul", "auto", False] == 6
         assert len(PROMPT) == 8
     finally:
         ctx.close()
