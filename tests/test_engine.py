@@ -1,4 +1,4 @@
-"""The native expert engine (ggml-patches 0002 and 0003): pool, split MoE FFN, copy engine, routing export.
+"""The native expert engine (ggml-patches 0002-0008): pool, split MoE FFN, copy engine, routing export.
 
 The sharpest test: with the pool on a second CPU buffer, the same kernels run on both halves,
 so split execution must give logits bit-identical to unsplit execution, for any residency.
