@@ -4,6 +4,7 @@
     python scripts/build_native.py            # CPU + RPC (the test build)
     python scripts/build_native.py --cuda --cuda-arch 86
     python scripts/build_native.py --stock    # unpatched llama.cpp's llama-simple, for load checks
+    python scripts/build_native.py --sanitize address --python .venv-asan/bin/python   # see scripts/sanitize.sh
 
 Steps: get the sdist pinned in vendor/llama-cpp-python.lock (pip download, sha256 checked),
 extract it to vendor/llama-cpp-python/ as a git repo with one commit per applied patch,
@@ -97,6 +98,12 @@ def cmake_args(args: argparse.Namespace) -> list[str]:
     if args.rpc:
         out.append("-DGGML_RPC=ON")
     out += no_amx_args()
+    if args.sanitize:
+        # ggml's and llama's own options; OpenMP's runtime is not instrumented (TSan would report
+        # its barriers), so a sanitized build uses ggml's own thread pool
+        flag = args.sanitize.upper()
+        out += [f"-DGGML_SANITIZE_{flag}=ON", f"-DLLAMA_SANITIZE_{flag}=ON", "-DGGML_OPENMP=OFF",
+                "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
     if args.cuda:
         # "native" would need a GPU at build time; an explicit list builds anywhere nvcc exists
         out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}"]
@@ -142,11 +149,16 @@ def installed_lib(python: str) -> Path | None:
     return libs[0] if libs else None
 
 
-def up_to_date(key: str, python: str) -> bool:
-    if not STAMP.exists():
+def stamp_path(args: argparse.Namespace) -> Path:
+    """One stamp per sanitizer variant, so that building one does not make the other stale."""
+    return STAMP.with_name(f"build-stamp-{args.sanitize}.json") if args.sanitize else STAMP
+
+
+def up_to_date(key: str, python: str, stamp_file: Path = STAMP) -> bool:
+    if not stamp_file.exists():
         return False
     try:
-        stamp = json.loads(STAMP.read_text())
+        stamp = json.loads(stamp_file.read_text())
     except json.JSONDecodeError:
         return False
     lib = installed_lib(python)
@@ -346,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CMAKE_CUDA_ARCHITECTURES (default: Turing, Ampere and Ada consumer GPUs)")
     ap.add_argument("--no-rpc", dest="rpc", action="store_false",
                     help="leave out the RPC backend (the tests use it as their second device)")
+    ap.add_argument("--sanitize", choices=["address", "thread"],
+                    help="build with AddressSanitizer or ThreadSanitizer (own build dir and stamp; install it "
+                         "into its own venv with --python, see scripts/sanitize.sh)")
     ap.add_argument("--cmake-arg", action="append", default=[], help="extra CMake argument (repeatable)")
     ap.add_argument("--sdist", type=Path, help="use this sdist file instead of downloading")
     ap.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
@@ -377,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cmake = cmake_args(args)
         key = stamp_key(lock, patches, cmake, args.python)
-        if not (args.force or args.sdist) and up_to_date(key, args.python):
+        if not (args.force or args.sdist) and up_to_date(key, args.python, stamp_path(args)):
             log(f"up to date ({len(patches)} patches), nothing to do")
             return 0
         sdist = fetch_sdist(lock, args.python, args.sdist)
@@ -390,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         lib = installed_lib(args.python)
         if lib is None:
             raise BuildError("llama_cpp is not importable after install")
-        STAMP.write_text(json.dumps({"key": key, "lib": str(lib), "lib_mtime": lib.stat().st_mtime}) + "\n")
+        stamp_path(args).write_text(json.dumps({"key": key, "lib": str(lib), "lib_mtime": lib.stat().st_mtime}) + "\n")
         log(f"done in {time.monotonic() - t0:.0f} s")
         return 0
     except BuildError as e:
