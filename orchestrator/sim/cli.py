@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from orchestrator.options import RunOptions, run_options
 from orchestrator.policies import POLICIES
 from orchestrator.sim import profiles
 from orchestrator.sim.simulator import SimConfig, SimResult
@@ -313,34 +314,30 @@ def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None
 
 
 @trace_app.command("record")
+@run_options("model")
 def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"),
                prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="prompt text (repeatable)"),
                prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="one prompt per line"),
                n_predict: int = typer.Option(128, "-n", "--n-predict", help="tokens per prompt"),
-               model: Optional[Path] = typer.Option(None, "-m", "--model", help="target MoE GGUF [default: shipped]"),
-               model_draft: Optional[Path] = typer.Option(None, "-md", "--model-draft", help="draft GGUF"),
-               draft_max: int = typer.Option(8, "--draft-max", help="γ"),
-               budget_ratio: float = typer.Option(0.25, "--expert-budget-ratio", help="device pool / all experts"),
-               threads: int = typer.Option(2, "-t", "--threads"), ctx_size: int = typer.Option(0, "-c", "--ctx-size")) -> None:
+               *, opts: RunOptions) -> None:
     """Record the routing of a live run (greedy, expert engine on): per verification step the
-    draft length, accepted count and the experts and weights of every verified token."""
-    from orchestrator.cli import default_models
-    from orchestrator.speculative import Session, SessionConfig
+    draft length, accepted count and the experts and weights of every verified token. The model
+    flags are generate's; without a GPU the pool (which exports the routing) is the CPU test device."""
+    from dataclasses import replace
+
+    from orchestrator.options import open_session
+    from orchestrator.placement import first_gpu
 
     texts = list(prompt or [])
     if prompts_file is not None:
         texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
     if not texts:
         raise typer.BadParameter("give --prompt or --prompts-file", param_hint="--prompt")
-    if model is None:
-        model, default_draft = default_models()
-        if model is None:
-            raise typer.BadParameter("no -m and no shipped default model", param_hint="--model")
-        model_draft = model_draft or default_draft
-    cfg = SessionConfig(model=model, draft=model_draft, gamma=draft_max, n_ctx=ctx_size, n_threads=threads,
-                        engine=True, budget_ratio=budget_ratio)
+    if opts.device is None and first_gpu() is None:
+        opts = replace(opts, device="CPU")
+    session, _ = open_session(replace(opts, engine=True))
     try:
-        with _working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), Session(cfg) as session:
+        with _working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), session:
             t = record_trace(session, out, texts, n_predict)
     except (ValueError, OSError, RuntimeError) as e:
         console.print(f"[red]spac trace record: {e}[/red]")
