@@ -264,9 +264,12 @@ def chat(
             else:
                 messages.pop()  # a failed turn is not part of the conversation
     finally:
-        with deferred_sigint():
-            session.close()
-            console.print("[dim]bye[/]")
+        try:
+            with deferred_sigint():  # leaving anyway: a Ctrl-C now changes nothing
+                session.close()
+                console.print("[dim]bye[/]")
+        except KeyboardInterrupt:
+            pass
 
 
 _DOUBLE_CTRL_C_S = 1.0  # a Ctrl-C at the prompt this soon after one that stopped an answer is its double
