@@ -354,6 +354,40 @@ def calibrate(*, opts: RunOptions) -> None:
         session.close()
 
 
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPAC_API_KEY",
+                                                   help="clients must send `Authorization: Bearer KEY`")] = None,
+    queue_size: Annotated[int, typer.Option("--queue", help="requests that may wait behind the running one")] = 16,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens when a request sets none, "
+                                                                    "-1 = until the context is full")] = -1,
+    model: ModelOpt = None, model_draft: DraftOpt = None, draft_max: DraftMaxOpt = 8,
+    expert_budget: BudgetOpt = None, device: DeviceOpt = None, threads: ThreadsOpt = _DEFAULT_THREADS,
+    ctx_size: CtxOpt = 0, temp: TempOpt = 0.8, top_k: TopKOpt = 40, top_p: TopPOpt = 0.95, seed: SeedOpt = -1,
+    n_gpu_layers: NglOpt = 0, engine: EngineOpt = None, stop: StopOpt = None, recalibrate: RecalOpt = False,
+    verbose: VerboseOpt = False, no_utility: NoUtility = False, no_adabc: NoAdabc = False,
+    no_balancer: NoBalancer = False, no_prefetch: NoPrefetch = False, no_evict: NoEvict = False, no_sd: NoSd = False,
+) -> None:
+    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /health, /metrics, ...).
+
+    The sampling options are the defaults of requests that leave them out. SIGINT/SIGTERM stop it
+    cleanly (exit 0)."""
+    from orchestrator.server import Defaults
+    from orchestrator.server import serve as run_server
+    from orchestrator.speculative import Session
+
+    cfg = _config(model, model_draft, draft_max, expert_budget, device, threads, ctx_size, n_gpu_layers, engine,
+                  recalibrate, verbose, _ablations(no_utility, no_adabc, no_balancer, no_prefetch, no_evict, no_sd))
+    defaults = Defaults(sampling=_sampling(temp, top_k, top_p, seed), stop=list(stop or ()),
+                        max_tokens=n_predict if n_predict >= 0 else None)
+    error = run_server(lambda: Session(cfg), Path(cfg.model).name, host=host, port=port, api_key=api_key,
+                       defaults=defaults, queue_size=queue_size)
+    if error:
+        _fail(error)
+
+
 def _mount_subcommands() -> None:
     """Command groups owned by other parts of spac, mounted when their module exists:
     `spac sim ...`, `spac trace ...` (orchestrator.sim.cli) and `spac draft ...` (orchestrator.drafts)."""
