@@ -43,7 +43,7 @@ def free_port() -> int:
 
 def default_serve_args() -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from orchestrator.speculative import engine_built
+    from orchestrator.native import engine_built
 
     engine = ["--engine", "--device", "CPU", "--expert-budget", "50%"] if engine_built() else ["--no-engine"]
     return ["--draft-max", "4", "-c", "1024", "-t", "1", "--temp", "0", *engine]

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from orchestrator.cli import default_models
-from orchestrator.speculative import engine_built
+from orchestrator.native import engine_built
 
 openai = pytest.importorskip("openai")
 

@@ -30,7 +30,8 @@ from orchestrator.server import api
 from orchestrator.server.api import ApiError
 from orchestrator.server.engine import Engine, Event, Job, NotAccepting, QueueFull
 from orchestrator.server.telemetry import CONTENT_TYPE, Telemetry
-from orchestrator.speculative import SamplingParams, Session, tokenize_special
+from orchestrator.sampling import SamplingParams
+from orchestrator.speculative import Session
 
 
 @dataclass
@@ -225,7 +226,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
     async def tokenize(request: Request) -> Response:
         req = api.parse(api.TokenizeRequest, await body(request))
         s = session()
-        tokens = tokenize_special(s.target, req.content, req.add_special)
+        tokens = s.target.tokenize(req.content, add_special=req.add_special, parse_special=True)
         if req.with_pieces:
             pieces = [{"id": t, "piece": s.target.piece(t).decode(errors="replace")} for t in tokens]
             return JSONResponse({"tokens": pieces})

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.metrics import RunMetrics
-from orchestrator.speculative import SamplingParams, Session
+from orchestrator.sampling import SamplingParams
+from orchestrator.speculative import Session
 
 
 class QueueFull(RuntimeError):
