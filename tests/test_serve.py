@@ -341,3 +341,40 @@ def test_bad_model_fails_with_one_line(env, tmp_path):
     r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--port", str(free_port()), "-m", str(junk),
                         "--no-engine"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not a GGUF file" in r.stderr
+
+
+# ----------------------------------------------------------------------------- in process: loading
+
+def test_health_503_while_loading_then_200_or_failed():
+    from starlette.testclient import TestClient
+
+    from orchestrator.llm import ModelError
+    from orchestrator.server import Engine, create_app
+
+    class Loaded:  # what the engine thread holds once "loaded"; no request reaches it here
+        def close(self) -> None:
+            pass
+
+    gate = threading.Event()
+    engine = Engine(lambda: (gate.wait(30), Loaded())[1])
+    with TestClient(create_app(engine, "m.gguf")) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+        assert r.headers["Retry-After"] == "1"
+        assert c.post("/v1/completions", json={"prompt": "a"}).status_code == 503
+        gate.set()
+        deadline = time.monotonic() + 30
+        while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.get("/health").json() == {"status": "ok"}
+
+    def fail():
+        raise ModelError("model file not found: nope.gguf")
+
+    failures: list[str] = []
+    engine = Engine(fail, on_failed=failures.append)
+    with TestClient(create_app(engine, "nope.gguf")) as c:
+        engine.join(30)
+        r = c.get("/health")
+        assert r.status_code == 503 and "model file not found: nope.gguf" in r.json()["error"]["message"]
+    assert failures == ["model file not found: nope.gguf"]

@@ -56,8 +56,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
     def session() -> Session:
         if engine.state == "loading":
             raise api.unavailable("Loading model", RETRY_AFTER_S)
+        if engine.state == "failed":
+            raise api.unavailable(f"the model failed to load: {engine.error}")
         if not engine.ready or engine.session is None:
-            raise api.unavailable(f"the engine is {engine.state}")
+            raise api.unavailable("the server is shutting down")
         return engine.session
 
     # -- plumbing ----------------------------------------------------------------------------
