@@ -200,8 +200,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
         req = api.parse(api.ChatRequest, await body(request))
         check_model(req.model)
         s = session()
-        try:
-            prompt = s.chat_tokens([m.as_template_input() for m in req.messages])
+        try:  # off the event loop: a long conversation takes a while to render and tokenize
+            prompt = await asyncio.to_thread(s.chat_tokens, [m.as_template_input() for m in req.messages])
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         return await run(request, make_job(s, req, prompt, None, "messages"), req, chat=True)
@@ -216,7 +216,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
                 raise ApiError(400, "one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            tokens = s.tokenize(prompt) if prompt else []
+            tokens = await asyncio.to_thread(s.tokenize, prompt) if prompt else []
         else:
             tokens = list(prompt)
             check_tokens(s, tokens, "prompt")
