@@ -378,3 +378,86 @@ def test_health_503_while_loading_then_200_or_failed():
         r = c.get("/health")
         assert r.status_code == 503 and "model file not found: nope.gguf" in r.json()["error"]["message"]
     assert failures == ["model file not found: nope.gguf"]
+
+
+# ----------------------------------------------------------------------------- in process: the queue
+
+class StepSession:
+    """Stands in for Session in the engine: one "x" per verification step; prompt [0] waits for
+    `gate` before its first step."""
+
+    def __init__(self) -> None:
+        from orchestrator.metrics import RunMetrics
+
+        self.metrics_type = RunMetrics
+        self.gate = threading.Event()
+        self.on_verify_step = None
+        self.last_metrics = None
+        self.started: list[int] = []
+        self.closed = False
+
+    def generate(self, prompt, max_tokens, stop, sampling):
+        self.started.append(prompt[0])
+        m = self.metrics_type(n_prompt_tokens=len(prompt), stop_reason="length")
+        try:
+            if prompt[0] == 0:
+                self.gate.wait(30)
+            for _ in range(max_tokens):
+                time.sleep(0.001)
+                self.on_verify_step(0.001)
+                m.n_tokens += 1
+                yield "x"
+        finally:
+            self.last_metrics = m
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_engine_fifo_full_queue_cancel_and_shutdown():
+    import asyncio
+
+    from orchestrator.sampling import SamplingParams
+    from orchestrator.server.engine import Engine, Job, QueueFull
+
+    fake = StepSession()
+
+    async def drain(job: Job) -> tuple[str, object]:
+        text = ""
+        while (ev := await asyncio.wait_for(job.events.get(), 30)).kind == "text":
+            text += ev.text
+        return text, ev
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        engine = Engine(lambda: fake, queue_size=2)
+        engine.start()
+        while not engine.ready:
+            await asyncio.sleep(0.01)
+        jobs = [Job([i], 3, [], SamplingParams(), loop) for i in range(4)]
+        engine.submit(jobs[0])
+        while engine.current is not jobs[0]:
+            await asyncio.sleep(0.01)
+        engine.submit(jobs[1])
+        engine.submit(jobs[2])
+        with pytest.raises(QueueFull):
+            engine.submit(jobs[3])
+        assert engine.status() == {"state": "ready", "processing": 1, "queued": 2}
+        jobs[2].cancel()  # its client left while it waited: never started
+        fake.gate.set()
+        for job in jobs[:2]:
+            text, ev = await drain(job)
+            assert (text, ev.kind, ev.aborted) == ("xxx", "done", False)
+        long = Job([9], 10 ** 6, [], SamplingParams(), loop)
+        engine.submit(long)
+        first = await asyncio.wait_for(long.events.get(), 30)
+        assert first.kind == "text"
+        engine.shutdown()
+        text, ev = await drain(long)
+        text = first.text + text
+        assert ev.kind == "done" and ev.aborted and ev.metrics.stop_reason == "abort"
+        assert ev.metrics.n_tokens == len(text) < 10 ** 6
+        await asyncio.to_thread(engine.join, 30)
+        assert fake.started == [0, 1, 9] and fake.closed
+
+    asyncio.run(scenario())

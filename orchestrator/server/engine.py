@@ -36,13 +36,16 @@ class Cancelled(Exception):
     """Raised from the session's step hook to end a cancelled job."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Event:
     kind: str                        # "text", "done" (metrics), "error" (message in text)
     text: str = ""
     status: int = 500                # of an error
     metrics: RunMetrics | None = None
     aborted: bool = False            # "done" because the server is stopping
+
+
+SHUTTING_DOWN = Event("error", "the server is shutting down", status=503)
 
 
 @dataclass
@@ -127,9 +130,9 @@ class Engine:
                 except queue.Empty:
                     break
                 if job is not None:
-                    job.emit(Event("error", "the server is shutting down", status=503))
+                    job.emit(SHUTTING_DOWN)
             self.n_queued = 0
-            self._jobs.put_nowait(None)
+            self._jobs.put_nowait(None)  # room: the queue was just emptied and nothing more gets in
         if current is not None:
             current.cancel(aborted=True)
 
@@ -158,8 +161,11 @@ class Engine:
                 with self._lock:
                     self.n_queued -= 1
                     self.current = job
+                    stopping = self.state == "stopping"  # taken off the queue just before shutdown drained it
                 try:
-                    if not job.cancelled:
+                    if stopping:
+                        job.emit(SHUTTING_DOWN)
+                    elif not job.cancelled:
                         self._serve(session, job)
                 finally:
                     with self._lock:
