@@ -188,7 +188,7 @@ def test_sampling_options_and_stop(server, model_id):
 
 # ----------------------------------------------------------------------------- prompt cache
 
-def test_second_chat_turn_processes_only_new_tokens(server, model_id):
+def test_second_chat_turn_processes_only_new_tokens(server, model_id, start):
     client = server.client()
     messages = [{"role": "user", "content": "class Stack:\n    def push(self, x):"}]
     first = client.chat.completions.create(model=model_id, messages=messages, max_tokens=16)
@@ -202,6 +202,12 @@ def test_second_chat_turn_processes_only_new_tokens(server, model_id):
     assert t2["cache_n"] >= first.usage.prompt_tokens
     assert t2["prompt_n"] <= n_new + 2, (t1, t2)  # a token or two where the texts join may re-tokenize
     assert second.usage.prompt_tokens_details.cached_tokens == t2["cache_n"]
+    # the same answer as a server that computes the whole conversation (and exits 0 on SIGINT)
+    fresh = start(*MODEL_ARGS, *GREEDY)
+    again = fresh.client().chat.completions.create(model=model_id, messages=messages, max_tokens=16)
+    assert again.model_extra["timings"]["cache_n"] == 0
+    assert again.choices[0].message.content == second.choices[0].message.content
+    assert fresh.stop(signal.SIGINT) == 0
 
 
 # ----------------------------------------------------------------------------- plain HTTP
@@ -328,11 +334,6 @@ def test_full_queue_503_then_sigterm_ends_stream_cleanly(start):
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
     assert queued[0].status_code == 503
     assert "Traceback" not in s.proc.stderr.read()
-
-
-def test_sigint_exits_0(start):
-    s = start(*MODEL_ARGS, "--no-engine")
-    assert s.stop(signal.SIGINT) == 0
 
 
 def test_bad_model_fails_with_one_line(env, tmp_path):
