@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from orchestrator.server import api
 from orchestrator.server.api import ApiError
-from orchestrator.server.engine import Engine, Event, Job, NotAccepting, QueueFull
+from orchestrator.server.engine import Engine, Job, NotAccepting, QueueFull
 from orchestrator.server.telemetry import CONTENT_TYPE, Telemetry
 from orchestrator.sampling import SamplingParams
 from orchestrator.speculative import Session
@@ -131,8 +131,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
     async def run(request: Request, job: Job, req, chat: bool) -> Response:
         cid, created = api.new_id("chatcmpl" if chat else "cmpl"), api.now()
         if req.stream:
-            return StreamingResponse(stream(job, req, chat, cid, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return JobStream(job, stream(job, req, chat, cid, created))
         watch = asyncio.create_task(cancel_on_disconnect(request, job))
         try:
             text = []
@@ -152,34 +151,25 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
         job.cancel()
 
     async def stream(job: Job, req, chat: bool, cid: str, created: int) -> AsyncIterator[str]:
-        """SSE chunks; the last one has finish_reason and `timings`, then `data: [DONE]`. A
-        client that goes away cancels this generator, which cancels the job."""
+        """SSE chunks; the last one has finish_reason and `timings`, then `data: [DONE]`."""
         def chunk(text: str, finish: str | None = None) -> dict:
             if chat:
                 return api.chat_chunk(cid, model_id, created, {"content": text} if finish is None else {}, finish)
             return api.completion_chunk(cid, model_id, created, text, finish)
 
-        try:
-            if chat:
-                yield sse(api.chat_chunk(cid, model_id, created, {"role": "assistant", "content": ""}))
-            while True:
-                ev: Event = await job.events.get()
-                if ev.kind == "text":
-                    yield sse(chunk(ev.text))
-                    continue
-                if ev.kind == "error":
-                    kind = "server_error" if ev.status == 500 else "unavailable_error"
-                    yield sse(ApiError(ev.status, ev.text, kind).body())
-                else:
-                    last = chunk("", api.finish_reason(ev.metrics, ev.aborted))
-                    last["timings"] = api.timings(ev.metrics)
-                    yield sse(last)
-                    if req.include_usage:
-                        yield sse({**last, "choices": [], "usage": api.usage(ev.metrics)})
-                break
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()
+        if chat:
+            yield sse(api.chat_chunk(cid, model_id, created, {"role": "assistant", "content": ""}))
+        while (ev := await job.events.get()).kind == "text":
+            yield sse(chunk(ev.text))
+        if ev.kind == "error":
+            yield sse(ApiError(ev.status, ev.text, "server_error" if ev.status == 500 else "unavailable_error").body())
+        else:
+            last = chunk("", api.finish_reason(ev.metrics, ev.aborted))
+            last["timings"] = api.timings(ev.metrics)
+            yield sse(last)
+            if req.include_usage:
+                yield sse({**last, "choices": [], "usage": api.usage(ev.metrics)})
+        yield "data: [DONE]\n\n"
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -274,6 +264,22 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.engine, app.state.telemetry = engine, telemetry
     return app
+
+
+class JobStream(StreamingResponse):
+    """An SSE response that cancels its job however it ends: a client that goes away (even
+    before the first chunk) stops the generation at the next verification step."""
+
+    def __init__(self, job: Job, chunks: AsyncIterator[str]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
 
 
 def sse(obj: dict) -> str:
