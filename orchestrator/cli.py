@@ -3,6 +3,7 @@
     spac generate "def fibonacci(n):" -n 64 [--json]
     spac chat
     spac calibrate
+    spac serve --port 8080      (orchestrator.server)
 
 Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
 ...); the block shared by generate, chat and calibrate (and serve) is declared once in
@@ -355,37 +356,37 @@ def calibrate(*, opts: RunOptions) -> None:
 
 
 @app.command()
+@run_options()
 def serve(
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8080,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPAC_API_KEY",
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPAC_API_KEY", show_default=False,
                                                    help="clients must send `Authorization: Bearer KEY`")] = None,
     queue_size: Annotated[int, typer.Option("--queue", help="requests that may wait behind the running one")] = 16,
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens when a request sets none, "
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens of a request that sets none, "
                                                                     "-1 = until the context is full")] = -1,
-    model: ModelOpt = None, model_draft: DraftOpt = None, draft_max: DraftMaxOpt = 8,
-    expert_budget: BudgetOpt = None, device: DeviceOpt = None, threads: ThreadsOpt = _DEFAULT_THREADS,
-    ctx_size: CtxOpt = 0, temp: TempOpt = 0.8, top_k: TopKOpt = 40, top_p: TopPOpt = 0.95, seed: SeedOpt = -1,
-    n_gpu_layers: NglOpt = 0, engine: EngineOpt = None, stop: StopOpt = None, recalibrate: RecalOpt = False,
-    verbose: VerboseOpt = False, no_utility: NoUtility = False, no_adabc: NoAdabc = False,
-    no_balancer: NoBalancer = False, no_prefetch: NoPrefetch = False, no_evict: NoEvict = False, no_sd: NoSd = False,
+    *, opts: RunOptions,
 ) -> None:
-    """OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /health, /metrics, ...).
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /health, /metrics, ...
 
-    The sampling options are the defaults of requests that leave them out. SIGINT/SIGTERM stop it
-    cleanly (exit 0)."""
+    The sampling options are the defaults of requests that leave them out (--seed -1: a new seed
+    per request). SIGINT/SIGTERM stop it cleanly (exit 0)."""
+    from dataclasses import replace
+
     from orchestrator.server import Defaults
     from orchestrator.server import serve as run_server
     from orchestrator.speculative import Session
 
-    cfg = _config(model, model_draft, draft_max, expert_budget, device, threads, ctx_size, n_gpu_layers, engine,
-                  recalibrate, verbose, _ablations(no_utility, no_adabc, no_balancer, no_prefetch, no_evict, no_sd))
-    defaults = Defaults(sampling=_sampling(temp, top_k, top_p, seed), stop=list(stop or ()),
+    if queue_size < 0:
+        fail(f"--queue must be >= 0, got {queue_size}")
+    cfg = session_setup(opts).config
+    sampling = opts.sampling()
+    defaults = Defaults(sampling=replace(sampling, seed=None) if opts.seed_random else sampling, stop=list(opts.stop),
                         max_tokens=n_predict if n_predict >= 0 else None)
     error = run_server(lambda: Session(cfg), Path(cfg.model).name, host=host, port=port, api_key=api_key,
                        defaults=defaults, queue_size=queue_size)
     if error:
-        _fail(error)
+        fail(error)
 
 
 def _mount_subcommands() -> None:
