@@ -3,6 +3,7 @@
     spac generate "def fibonacci(n):" -n 64 [--json]
     spac chat
     spac calibrate
+    spac serve --port 8080      (orchestrator.server)
 
 Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
 ...); the block shared by generate, chat and calibrate (and serve) is declared once in
@@ -355,6 +356,40 @@ def calibrate(*, opts: RunOptions) -> None:
         _write(json.dumps(asdict(session.calibration), indent=1) + "\n")
     finally:
         session.close()
+
+
+@app.command()
+@run_options()
+def serve(
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="port to listen on")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPAC_API_KEY", show_default=False,
+                                                   help="clients must send `Authorization: Bearer KEY`")] = None,
+    queue_size: Annotated[int, typer.Option("--queue", help="requests that may wait behind the running one")] = 16,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="max tokens of a request that sets none, "
+                                                                    "-1 = until the context is full")] = -1,
+    *, opts: RunOptions,
+) -> None:
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /health, /metrics, ...
+
+    The sampling options are the defaults of requests that leave them out (--seed -1: a new seed
+    per request). SIGINT/SIGTERM stop it cleanly (exit 0)."""
+    from dataclasses import replace
+
+    from orchestrator.server import Defaults
+    from orchestrator.server import serve as run_server
+    from orchestrator.speculative import Session
+
+    if queue_size < 0:
+        fail(f"--queue must be >= 0, got {queue_size}")
+    cfg = session_setup(opts).config
+    sampling = opts.sampling()
+    defaults = Defaults(sampling=replace(sampling, seed=None) if opts.seed_random else sampling, stop=list(opts.stop),
+                        max_tokens=n_predict if n_predict >= 0 else None)
+    error = run_server(lambda: Session(cfg), Path(cfg.model).name, host=host, port=port, api_key=api_key,
+                       defaults=defaults, queue_size=queue_size)
+    if error:
+        fail(error)
 
 
 def _mount_subcommands() -> None:

@@ -34,6 +34,7 @@ import numpy as np
 @dataclass
 class RunMetrics:
     n_prompt_tokens: int = 0
+    n_prompt_cached: int = 0     # of them, already in the KV cache from the previous request
     n_tokens: int = 0
     n_steps: int = 0
     n_drafted: int = 0

@@ -120,6 +120,9 @@ class Session:
         self._plan_sent: Plan | None = None
         self._stats_prev: dict | None = None
         self.on_step: Callable[[StepRouting], None] | None = None  # e.g. a TraceWriter's append
+        # called after every verification step with its seconds; may raise to end the generation
+        # there (a server's client went away): `generate`'s cleanup runs, the KV caches stay valid
+        self.on_verify_step: Callable[[float], None] | None = None
         self.last_metrics: RunMetrics | None = None
         self.last_text = ""
         try:
@@ -240,7 +243,7 @@ class Session:
         reason = "interrupted"
         n_out = 0
         try:
-            self._prefill(prompt_tokens)
+            rec.metrics.n_prompt_cached = self._prefill(prompt_tokens)
             rec.prefill_done()
             reason = "length"
             while n_out < max_tokens:
@@ -249,8 +252,11 @@ class Session:
                     reason = "context"
                     break
                 gamma = min(self.gamma, max_tokens - n_out - 1, room - 1)
+                t_step = time.perf_counter()
                 n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
                 rec.step(n_drafted, n_accepted)
+                if self.on_verify_step is not None:
+                    self.on_verify_step(time.perf_counter() - t_step)
                 kept, chunk = 0, []
                 for t in new:
                     kept += 1
@@ -372,8 +378,9 @@ class Session:
 
     # -- KV bookkeeping ---------------------------------------------------------------------
 
-    def _prefill(self, prompt: list[int]) -> None:
-        """Target KV := prompt[:-1], draft KV := prompt[:-1], reusing what is cached."""
+    def _prefill(self, prompt: list[int]) -> int:
+        """Target KV := prompt[:-1], draft KV := prompt[:-1], reusing what is cached; returns how
+        many prompt tokens the target's cache already held (they are not computed again)."""
         common = 0
         for a, b in zip(self._tokens, prompt):
             if a != b:
@@ -383,9 +390,11 @@ class Session:
         self._tokens = list(prompt[:keep + 1])  # the KV caches hold tokens[:-1]
         self._sync()
         self._tokens = list(prompt)
+        cached = self.ctx.n_past
         for c in (self.ctx, self.draft_ctx):
             if c is not None and c.n_past < len(prompt) - 1:
                 c.decode(prompt[c.n_past:-1], logits_all=False)
+        return cached
 
     def _accept(self, new: list[int]) -> None:
         self._tokens.extend(new)
