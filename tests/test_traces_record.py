@@ -42,7 +42,7 @@ def live_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("record")
     target = make_random_model(d / "target.gguf", CFG, seed=1)
     draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
-    policy = make_policy("moe-spac")
+    policy = make_policy("moe-spac-paper")
     calls = recording(policy)
     cfg = speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
                                     budget_ratio=0.25, calibration_cache=d / "cal.json")
@@ -65,7 +65,7 @@ def test_recorded_trace_matches_the_live_steps(live_run):
 
 def test_replay_makes_the_live_plans(live_run):
     trace, policy, calls = live_run
-    replay = make_policy("moe-spac")
+    replay = make_policy("moe-spac-paper")
     ctx = policy.ctx
     replay.reset(PolicyContext(ctx.n_layer, ctx.n_expert, ctx.top_k, ctx.capacity, ctx.gamma))
     step = 0
@@ -82,7 +82,7 @@ def test_replay_makes_the_live_plans(live_run):
 def test_simulator_replays_the_recorded_trace(live_run):
     trace, policy, _ = live_run
     sim = Simulator(trace, SimConfig(capacity=policy.ctx.capacity, draft=None))
-    for name in ("moe-spac", "static", "lru", "oracle"):
+    for name in ("moe-spac-paper", "static", "lru", "belady", "spac"):
         result = sim.run(make_policy(name))
         assert result.tokens == trace.n_generated and 0.0 <= result.hit_rate <= 1.0
 

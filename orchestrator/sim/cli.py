@@ -250,9 +250,16 @@ def accuracy_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
     from orchestrator.sim.experiments import hot_cold_accuracy
 
     t = _trace(trace, steps, seed, gamma, acceptance, model)
-    rows = [{"layers": "all", **hot_cold_accuracy(t, k_max=k_max, tau=tau)},
-            {"layers": f"last ({t.n_layer - 1})", **hot_cold_accuracy(t, k_max=k_max, tau=tau, layer=t.n_layer - 1)}]
-    console.print(_table(f"hot/cold prediction, τ = {tau}, K = {k_max} — {t.model}", rows))
+    rows = []
+    for label, layer in (("all", None), (f"last ({t.n_layer - 1})", t.n_layer - 1)):
+        acc = hot_cold_accuracy(t, k_max=k_max, tau=tau, layer=layer)
+        for name in ("previous step", "paper", "spac"):
+            rows.append({"layers": label, "predictor": name, "accuracy": acc[f"{name} accuracy"],
+                         "precision": acc[f"{name} precision"], "recall": acc[f"{name} recall"]})
+    console.print(_table(f"hot/cold prediction of the next verify pass (paper: τ = {tau}, K = {k_max}; "
+                         f"spac: p ≥ 1/2) — {t.model}", rows))
+    console.print(f"share of experts used per step {acc['share used']:.3f}; Algorithm 1's calibrated boundaries "
+                  f"at the end: mean θ↑ {acc['paper mean θ↑']:.2f}, θ↓ {acc['paper mean θ↓']:.2f} (start ⌊γ/2⌋)")
 
 
 @app.command("calibrate")
@@ -283,7 +290,7 @@ def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = Hardw
     common = dict(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, hardware=hardware,
                   model="qwen3-30b-a3b", draft=draft, visibility=visibility, quant=quant)
     run_cmd(**common, cache_ratio=cache_ratio, policy=None, out=out)
-    sweep_cache_cmd(**common, policy=["static", "lru", "hybrimoe", "moe-spac", "oracle"], ratios=DEFAULT_RATIOS, out=out)
+    sweep_cache_cmd(**common, policy=["static", "lru/host", "hybrimoe", "moe-spac-paper", "spac"], ratios=DEFAULT_RATIOS, out=out)
     sweep_k_cmd(**common, cache_ratio=cache_ratio, k_max=8, out=out)
     ablation_cmd(**common, cache_ratio=cache_ratio, out=out)
     accuracy_cmd(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, model="qwen3-30b-a3b", tau=1, k_max=4)
