@@ -130,4 +130,8 @@ class LookaheadUtility(Policy):
                     prefetch=prefetch, evict=evict)
 
     def victims(self, allocated: np.ndarray, protected: np.ndarray, layer: int, n: int) -> np.ndarray:
-        return smallest_rows(self.p, self._victim_scope(allocated, protected, layer), n)
+        """In-pass copies ("greedy"/"fetch"): give up a slot of a layer this pass has already
+        computed first (it can be copied back while the next draft drafts), lowest p first;
+        an expert of a layer still to come only after those (evicting it risks a miss now)."""
+        ahead = np.arange(self.ctx.n_layer)[:, None] > layer
+        return smallest_rows(self.p + 2.0 * ahead, self._victim_scope(allocated, protected, layer), n)
