@@ -339,6 +339,7 @@ def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = Hardw
 def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None = None) -> Trace:
     """Generate greedily from each prompt on an open `orchestrator.speculative.Session` (expert
     engine on: it exports the routing) and write every verification step to `out`."""
+    from orchestrator.plan import StepRouting
     from orchestrator.sim.trace import TraceWriter
     from orchestrator.sampling import SamplingParams
 
@@ -349,8 +350,12 @@ def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None
                          model=Path(str(session.target.path)).stem,
                          meta={"gamma": session.gamma, "mode": session.mode, "prompts": len(prompts),
                                "gguf": str(Path(str(session.target.path)).resolve()),
+                               "draft_gguf": None if session.draft is None else str(Path(str(session.draft.path)).resolve()),
                                "max_tokens": max_tokens, **(meta or {})})
-    previous, session.on_step = session.on_step, writer.append
+    def append(step: StepRouting) -> None:  # with the draft's routing when the draft is an MoE
+        writer.append(step, session.last_draft_routing)
+
+    previous, session.on_step = session.on_step, append
     try:
         for prompt in prompts:
             session.complete(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
