@@ -35,17 +35,22 @@ def recording(policy):
     return calls
 
 
-@pytest.fixture(scope="module")
-def live_run(tmp_path_factory):
+def session_config(tmp_path_factory, name):
+    """A random tiny MoE target and its Q4_0 self-draft (same experts), engine on."""
     if not native.engine_built():
         pytest.skip("native engine not built")
-    d = tmp_path_factory.mktemp("record")
+    d = tmp_path_factory.mktemp(name)
     target = make_random_model(d / "target.gguf", CFG, seed=1)
     draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
+    return d, speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
+                                        budget_ratio=0.25, calibration_cache=d / "cal.json")
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    d, cfg = session_config(tmp_path_factory, "record")
     policy = make_policy("moe-spac-paper")
     calls = recording(policy)
-    cfg = speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
-                                    budget_ratio=0.25, calibration_cache=d / "cal.json")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, 12).tolist() for _ in range(3)]
     with speculative.Session(cfg, policy=policy) as session:
@@ -114,11 +119,7 @@ def test_trace_record_command(live_run, tmp_path, monkeypatch):
 def lookahead_run(tmp_path_factory):
     """The default ranking live (host compute on miss: what the native engine does), with the
     Q4_0 self-draft's routing read from the draft context while it drafts."""
-    if not speculative.engine_built():
-        pytest.skip("native engine not built")
-    d = tmp_path_factory.mktemp("lookahead")
-    target = make_random_model(d / "target.gguf", CFG, seed=1)
-    draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
+    d, cfg = session_config(tmp_path_factory, "lookahead")
     policy = make_policy("spac/host")
     calls = []
     plan, draft_plan = policy.plan, policy.draft_plan
@@ -136,8 +137,6 @@ def lookahead_run(tmp_path_factory):
         return out
 
     policy.plan, policy.draft_plan = on_plan, on_draft
-    cfg = speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
-                                    budget_ratio=0.25, calibration_cache=d / "cal.json")
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, 12).tolist() for _ in range(2)]
     with speculative.Session(cfg, policy=policy) as session:
