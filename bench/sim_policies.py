@@ -9,7 +9,8 @@ fidelity 0.9) and cache ratios 10 / 17 / 30 %: tokens/s of every policy, the def
 each, to the best baseline (every policy but the default and belady, which sees the future), to
 static + SD and to the limit (`orchestrator.sim.limit`, an upper bound). Then the default
 against the best baseline and the limit over acceptance 0.5 / 0.75 / 0.9 × γ 4 / 8 / 16 at 17 %,
-and on a recorded trace if one is given (`spac trace record`, simulated from its own GGUF).
+and on a recorded trace if one is given (`spac trace record`, simulated from its own GGUF and
+its draft's).
 Targets (issue 11): ≥ 1.05× best baseline, ≥ 0.92× limit, ≥ 1.42× static + SD.
 Prints Markdown. Single process; run it under an exclusive lock for timings of its own run
 time (the tokens/s it prints are simulated, not measured).
@@ -129,12 +130,15 @@ def main() -> None:
         trace = read_trace(args.recorded)
         profile, quant = profiles.from_gguf(trace.meta["gguf"])
         key = profiles.register(profile)
+        draft_profile, draft_quant = profiles.from_gguf(trace.meta["draft_gguf"], draft=True)
+        own_draft = profiles.register(draft_profile)
         print(f"## Recorded trace {args.recorded.name}: {trace.model}, {trace.n_steps} steps, "
               f"draft routing {'yes' if trace.has_draft_routing else 'no'}; experts {quant}\n")
         rows = []
-        for hw, draft in HARDWARE.items():
+        for hw in HARDWARE:
             for ratio in RATIOS:
-                cfg = SimConfig(hardware=hw, model=key, draft=draft, cache_ratio=ratio, quant=quant)
+                cfg = SimConfig(hardware=hw, model=key, draft=own_draft, cache_ratio=ratio, quant=quant,
+                                draft_quant=draft_quant)
                 tps, bound, _ = run_all(trace, cfg, names)
                 s = summary(tps, bound)
                 rows.append([hw, f"{100 * ratio:.0f}%", f"{s['default']:.1f}", s["best"], ok(s["vs best"], 1.05),

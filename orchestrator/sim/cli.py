@@ -45,7 +45,8 @@ ModelOpt = typer.Option(None, "--model-profile", "--model",
                              "the trace's own model, from the GGUF it was recorded from]")
 GgufOpt = typer.Option(None, "--gguf", help="GGUF the trace was recorded from (its shape and expert size)")
 DEFAULT_MODEL = "qwen3-30b-a3b"
-DraftOpt = typer.Option("qwen3-4b", "--draft", help="draft model profile, or 'none' for free drafting")
+DraftOpt = typer.Option(None, "--draft", help="draft model profile or GGUF, or 'none' for free drafting "
+                        "[default: qwen3-4b; with --trace: the draft GGUF the trace was recorded with]")
 RatioOpt = typer.Option(0.17, "--cache-ratio", help="expert pool / all experts")
 QuantOpt = typer.Option("Q4_K", "--quant", help="weight format of the target (Q4_K, Q6_K, Q8_0, MXFP4, BF16)")
 VisibilityOpt = typer.Option("pass", "--visibility", help="'pass' (engine: maps per ubatch) or 'layer' (paper Fig. 3)")
@@ -53,11 +54,21 @@ PolicyOpt = typer.Option(None, "--policy", "-p", help="policy (repeatable); defa
 OutOpt = typer.Option(None, "--out", help="directory for PNG plots and JSON results")
 
 
-def _config(hardware, model, draft, ratio, visibility, quant="Q4_K") -> SimConfig:
+def _config(hardware, model, draft, ratio, visibility, quant="Q4_K", trace: Trace | None = None) -> SimConfig:
     if quant not in profiles.BITS_PER_WEIGHT:
         raise typer.BadParameter(f"unknown format {quant!r}; known: {', '.join(profiles.BITS_PER_WEIGHT)}", param_hint="--quant")
-    return SimConfig(hardware=hardware, model=model, draft=None if draft in (None, "none") else draft,
-                     cache_ratio=ratio, visibility=visibility, quant=quant)
+    draft_quant = "Q8_0"
+    if draft is None:  # the draft the trace was recorded with, else the paper's
+        recorded = None if trace is None else trace.meta.get("draft_gguf")
+        draft = recorded if recorded and Path(recorded).exists() else "qwen3-4b"
+    if str(draft).endswith(".gguf"):
+        try:
+            profile, draft_quant = profiles.from_gguf(draft, draft=True)
+        except (ValueError, OSError, KeyError) as e:
+            raise typer.BadParameter(f"{draft}: {e}", param_hint="--draft") from None
+        draft = profiles.register(profile)
+    return SimConfig(hardware=hardware, model=model, draft=None if draft == "none" else draft,
+                     cache_ratio=ratio, visibility=visibility, quant=quant, draft_quant=draft_quant)
 
 
 def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: Optional[str],
@@ -185,7 +196,7 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
     from orchestrator.sim.experiments import compare
 
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
-    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant)
+    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     names = _names(policy)
     with _working(f"simulating {len(names)} policies on {t.n_steps} steps"):
         results, skipped = compare(t, config, names)
@@ -208,7 +219,7 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
 
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     rs = _ratios(ratios)
-    config = _config(hardware, model, draft, rs[0], visibility, gguf_quant or quant)
+    config = _config(hardware, model, draft, rs[0], visibility, gguf_quant or quant, t)
     with _working(f"sweeping {len(rs)} cache ratios"):
         sweep = sweep_cache_ratio(t, config, _names(policy), rs)
     rows = [{"policy": name, **{f"{100 * r:.0f}%": (np.nan if x is None else x.tokens_per_s) for r, x in zip(rs, res)}}
@@ -229,7 +240,7 @@ def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: i
     from orchestrator.sim.experiments import sweep_k
 
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
-    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant)
+    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     ks = list(range(1, k_max + 1))
     with _working(f"sweeping K = 1..{k_max}"):
         results = sweep_k(t, config, ks)
@@ -253,7 +264,7 @@ def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
     ar = None
     if trace is None:
         ar = _trace(None, t.n_generated, seed, 0, acceptance, model)[0]
-    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant)
+    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     with _working("simulating the ablations"):
         rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
     for row in rows:

@@ -218,11 +218,13 @@ def _roofline(stream_s: float, flop_s: float, n_tokens):
     return np.maximum(stream_s, np.asarray(n_tokens, dtype=np.float64) * flop_s)
 
 
-def from_gguf(path) -> tuple[ModelProfile, str]:
+def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
     """(profile, weight format of its experts) read from a GGUF file's metadata and tensor
     list, for simulating a model that has no hand-written profile (e.g. a recorded trace of
     one's own model). Parameter counts come from the tensors themselves: per MoE block the
-    `ffn_*_exps` tensors divided by the expert count, and everything else of the block."""
+    `ffn_*_exps` tensors divided by the expert count, and everything else of the block.
+    draft=True: the profile of a draft model, whose per-token cost is its whole block plus the
+    top_k experts each token reads (a dense draft has none)."""
     from pathlib import Path
 
     import gguf
@@ -256,7 +258,11 @@ def from_gguf(path) -> tuple[ModelProfile, str]:
     if tied:
         head = next(int(t.n_elements) for t in reader.tensors if t.name == "token_embd.weight")
     if not moe:
-        raise ValueError(f"{path}: no MoE blocks (no ffn_*_exps tensors)")
+        if not draft:
+            raise ValueError(f"{path}: no MoE blocks (no ffn_*_exps tensors)")
+        return ModelProfile(key=f"gguf-draft:{Path(path).stem}", name=Path(path).stem, source=str(path), draft=True,
+                            n_block=n_block, d_model=d_model, block_params=max(rest.values()), head_params=head,
+                            kv_bytes_per_token=n_block * 2 * kv_heads * head_dim * 2, tie_embeddings=tied), "F16"
     first, last = min(moe), max(moe)
     dense = [rest[b] for b in rest if b not in moe]
     profile = ModelProfile(
@@ -265,6 +271,11 @@ def from_gguf(path) -> tuple[ModelProfile, str]:
         moe_blocks=(first, last), n_expert=n_expert, top_k=int(field(f"{arch}.expert_used_count")),
         expert_params=experts[first] // n_expert, dense_block_params=max(dense) if dense else 0, tie_embeddings=tied)
     quant = expert_type if expert_type in BITS_PER_WEIGHT else "F16"
+    if draft:
+        from dataclasses import replace
+
+        profile = replace(profile, key=f"gguf-draft:{Path(path).stem}", draft=True,
+                          block_params=profile.block_params + profile.top_k * profile.expert_params)
     return profile, quant
 
 
