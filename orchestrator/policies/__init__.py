@@ -97,6 +97,28 @@ ZOO: dict[str, Callable[..., Policy]] = {
     "belady/host": _named("belady/host", Oracle),
 }
 
+# name → (ranking, miss rule, prefetch window, split rule): the table above as data
+COMBINATIONS: dict[str, tuple[str, str, str, str]] = {
+    "static": ("layer order", "host", "-", "layer"),
+    "lru": ("lru/layer", "fetch", "pass", "resident"),
+    "lru-global": ("lru", "fetch", "pass", "resident"),
+    "lfu": ("lfu", "fetch", "pass", "resident"),
+    "least-stale": ("least-stale", "fetch", "pass", "resident"),
+    "score": ("score", "fetch", "pass", "resident"),
+    "hybrimoe": ("score (decay)", "greedy", "pass", "resident"),
+    "specmoe": ("hot set", "fetch", "pass", "resident"),
+    "moe-speq": ("lookahead", "fetch", "draft", "resident"),
+    "moe-spac-paper": ("utility", "host", "pass", "tau"),
+    DEFAULT: ("spac", "greedy", "draft", "resident"),
+    "belady": ("belady", "host", "pass", "resident"),
+    "lru/host": ("lru/layer", "host", "pass", "resident"),
+    "lfu/host": ("lfu", "host", "pass", "resident"),
+    "least-stale/host": ("least-stale", "host", "pass", "resident"),
+    "score/host": ("score (decay)", "host", "pass", "resident"),
+    "lookahead/host": ("lookahead", "host", "draft", "resident"),
+    "spac/host": ("spac", "host", "draft", "resident"),
+}
+
 ALIASES = {"utility/host": "moe-spac-paper", "belady/host": "belady"}  # zoo rows that are systems already
 POLICIES: dict[str, Callable[..., Policy]] = {**SYSTEMS, **{k: v for k, v in ZOO.items() if k not in ALIASES}}
 
@@ -110,4 +132,4 @@ def make_policy(name: str, **kwargs) -> Policy:
     return factory(**kwargs)
 
 
-__all__ = ["ALIASES", "DEFAULT", "POLICIES", "SYSTEMS", "ZOO", "Feedback", "Policy", "PolicyContext", "make_policy", "observe"]
+__all__ = ["ALIASES", "COMBINATIONS", "DEFAULT", "POLICIES", "SYSTEMS", "ZOO", "Feedback", "Policy", "PolicyContext", "make_policy", "observe"]

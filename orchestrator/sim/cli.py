@@ -29,7 +29,7 @@ from orchestrator.sim.trace import Trace, TraceError, read_trace
 app = typer.Typer(help="Trace-driven simulation of expert caching policies (tables and PNG plots).",
                   no_args_is_help=True)
 trace_app = typer.Typer(help="Routing traces: record, synthesise, inspect.", no_args_is_help=True)
-console = Console(width=150)
+console = Console(width=220)
 err_console = Console(stderr=True, highlight=False)
 
 DEFAULT_RATIOS = "0.05,0.10,0.17,0.25,0.35,0.50"
@@ -197,11 +197,24 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
 
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
+    from orchestrator.policies import COMBINATIONS
+    from orchestrator.sim.limit import limit
+
     names = _names(policy)
     with _working(f"simulating {len(names)} policies on {t.n_steps} steps"):
         results, skipped = compare(t, config, names)
     setting = _setting(t, config)
-    console.print(_table(setting, [r.row() for r in results]))
+    bound = limit(t, results[0].capacity, config.costs()) if results else None
+    rows = []
+    for r in results:
+        ranking, miss, window, split = COMBINATIONS.get(r.policy, ("?",) * 4)
+        row = r.row()
+        rows.append({"policy": row.pop("policy"), "ranking": ranking, "miss": miss, "window": window, "split": split,
+                     **row, "÷ limit": row["tok/s"] / bound.tokens_per_s})
+    console.print(_table(setting, rows))
+    if bound is not None:
+        console.print(f"limit (an upper bound on tok/s under this cost model, orchestrator/sim/limit.py): "
+                      f"{bound.tokens_per_s:.1f} tok/s")
     for s in skipped:
         console.print(f"[yellow]skipped {s.policy}: {s.reason}[/yellow]")
     _write(out, "policies", {"setting": setting, "results": [r.row() for r in results]},
