@@ -105,7 +105,7 @@ class LookaheadUtility(Policy):
             self.observe_pass(routing)
             self.gamma = routing.n_drafted or self.gamma
         self.link_free = self.elapsed = 0.0
-        return self._plan(resident, tokens_left=self.gamma if self.lookahead else 0)
+        return self._plan(resident, tokens_left=self.gamma)  # copies run while the draft drafts
 
     def draft_plan(self, draft_selected: np.ndarray, resident: np.ndarray) -> Plan | None:
         n = len(draft_selected)
