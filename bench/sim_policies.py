@@ -6,7 +6,8 @@ For each hardware profile (RTX 4090 24 GB with a Qwen3-4B Q8_0 draft; RTX 4060 8
 Qwen3-0.6B Q8_0 draft, the 4B draft plus a pool not fitting in 8 GB), each family
 (`orchestrator.sim.synthetic.FAMILIES`, acceptance 0.75, γ 8, MoE draft routing with per-expert
 fidelity 0.9) and cache ratios 10 / 17 / 30 %: tokens/s of every policy, the default's ratio to
-each, to the best baseline (every policy but the default and belady, which sees the future), to
+each, to the best baseline (every policy but the default, its own ranking with host misses
+(spac/host) and belady, which sees the future), to
 static + SD and to the limit (`orchestrator.sim.limit`, an upper bound). Then the default
 against the best baseline and the limit over acceptance 0.5 / 0.75 / 0.9 × γ 4 / 8 / 16 at 17 %,
 and on a recorded trace if one is given (`spac trace record`, simulated from its own GGUF and
@@ -35,7 +36,7 @@ from orchestrator.sim.trace import read_trace  # noqa: E402
 
 HARDWARE = {"rtx4090": "qwen3-4b", "rtx4060": "qwen3-0.6b"}
 RATIOS = (0.10, 0.17, 0.30)
-NOT_BASELINES = {DEFAULT, "belady"}
+NOT_BASELINES = {DEFAULT, "belady", "spac/host"}  # the default ranking itself; future knowledge
 SWEEP_POLICIES = ("static", "lru/host", "score/host", "hybrimoe", "lookahead/host", "moe-spac-paper", DEFAULT)
 
 
