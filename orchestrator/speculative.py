@@ -37,6 +37,7 @@ from orchestrator.llm import USE_EXTRA_BUFTS, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
+from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.spac import MoESpAc
 from orchestrator.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
 from orchestrator.text import ChatTemplate, TextStream, check_vocab
@@ -60,7 +61,11 @@ class Ablations:
 
 
 def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Policy:
-    """The default policy, MoE-SpAc (estimator + balancer), with the ablation switches."""
+    """The default policy: spac's learned utility with the draft's lookahead (`policies.default`;
+    misses on the host, as the engine computes them). With one of the paper's ablation switches:
+    MoE-SpAc as written (estimator + balancer), with that switch."""
+    if not (set(ablations.names()) - {"no_sd"}):
+        return LookaheadUtility(miss="cpu")
     return MoESpAc(k_max=k_max, lam=lam, no_utility=ablations.no_utility, no_adabc=ablations.no_adabc,
                    no_balancer=ablations.no_balancer, no_prefetch=ablations.no_prefetch,
                    no_evict=ablations.no_evict)
@@ -110,6 +115,8 @@ class Session:
         config's ablations); any `orchestrator.policies` Policy whose misses run on the host."""
         self.cfg = cfg
         self.engine = self.routing = self.calibration = None
+        self.draft_routing = None  # routing export of an MoE draft of the target's shape (lookahead)
+        self.last_draft_routing: np.ndarray | None = None  # [n_drafted, n_layer, top_k] of the last step
         self.policy = policy
         self.draft = self.draft_ctx = None
         self.engine_note = ""
@@ -182,9 +189,11 @@ class Session:
             self.engine_note = f"expert engine off: {e}"
             return
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
-        if self.policy.miss != "cpu" or self.policy.uses_draft_routing or self.policy.needs_future:
+        self._open_draft_routing(Routing)
+        lookahead = self.draft_routing is not None or self.policy.draft_optional
+        if self.policy.miss != "cpu" or (self.policy.uses_draft_routing and not lookahead) or self.policy.needs_future:
             raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
-                             "on the host, from the target's routing only)")
+                             "on the host, from the target's routing and an MoE draft's)")
         n_slots = int(self.engine.stats()["n_slots"])
         self.policy.reset(PolicyContext(n_layer=self.engine.n_moe_layers, n_expert=self.engine.n_expert,
                                         top_k=self.engine.n_expert_used, capacity=n_slots, gamma=self.gamma))
@@ -207,6 +216,31 @@ class Session:
         self._send(self.policy.plan(None, self._resident(), self.calibration.feedback()))
         self.engine.reset_stats()
         self._stats_prev = self.engine.stats()
+
+    def _open_draft_routing(self, Routing) -> None:
+        """An MoE draft with the target's experts (the quantised self-draft) routes the tokens it
+        drafts: export that routing too, a lookahead for the next verify pass."""
+        d, t = self.draft, self.target
+        if d is None or self.draft_ctx is None or d.n_expert != t.n_expert:
+            return
+        key = "{}.expert_used_count"
+        if d.meta(key.format(d.arch)) != t.meta(key.format(t.arch)):
+            return
+        routing = Routing(self.draft_ctx.ptr, self.engine.n_expert_used)
+        if routing.n_moe_layers == self.engine.n_moe_layers:
+            self.draft_routing = routing
+        else:
+            routing.disable()
+
+    def _drafted(self, rows: list[np.ndarray]) -> None:
+        """After each draft token: keep the draft's routing of the token it consumed and let a
+        lookahead policy add prefetches while the draft goes on."""
+        ids, _ = self.draft_routing.last()  # [n_layer, n_tokens, top_k]: the consumed token is the last
+        rows.append(ids[:, -1, :].copy())
+        if self.policy.uses_draft_routing:
+            plan = self.policy.draft_plan(np.stack(rows), self._resident())
+            if plan is not None:
+                self._send(plan)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -297,11 +331,17 @@ class Session:
         drafts: list[int] = []
         q: list[np.ndarray] = []
         t0 = time.perf_counter()
+        draft_rows: list[np.ndarray] = []
+        lookahead = self.engine is not None and self.draft_routing is not None
         if gamma > 0 and dctx is not None:
             feed = tokens[dctx.n_past:]
             is_eog = self.draft.is_eog
             for _ in range(gamma):
-                dctx.decode(feed, logits_all=False)
+                # with the lookahead every fed token gets its logits, so that upstream routes it
+                # through the last layer too (the routing of a catch-up decode's last token)
+                dctx.decode(feed, logits_all=lookahead)
+                if lookahead:
+                    self._drafted(draft_rows)
                 row = dctx.logits()[-1]
                 if greedy:
                     d = int(row.argmax())
@@ -326,6 +366,9 @@ class Session:
         if dctx is not None:
             dctx.trim(min(dctx.n_past, base + min(a, max(len(drafts) - 1, 0))))
         if self.engine is not None:
+            if lookahead:
+                shape = (0, self.engine.n_moe_layers, self.engine.n_expert_used)
+                self.last_draft_routing = np.stack(draft_rows) if draft_rows else np.zeros(shape, np.int32)
             self._after_verify(len(drafts), a, t1 - t0, t2 - t1)
         return len(drafts), a, [*drafts[:a], nxt]
 

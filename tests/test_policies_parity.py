@@ -28,26 +28,46 @@ class Recorder:
         self.calls.append((routing, resident.copy(), feedback, out))
         return out
 
+    def draft_plan(self, drafted, resident):
+        out = self.policy.draft_plan(drafted, resident)
+        self.calls.append(("draft", drafted.copy(), resident.copy(), out))
+        return out
+
 
 @pytest.mark.parametrize("name, kw", [
-    ("static", {}), ("moe-spac", {}), ("moe-spac", dict(no_adabc=True)), ("lru", dict(miss="cpu")),
-    ("lfu", dict(miss="cpu")), ("least-stale", dict(miss="cpu")), ("score", dict(miss="cpu")), ("oracle", {}),
+    ("static", {}), ("moe-spac-paper", {}), ("moe-spac-paper", dict(no_adabc=True)), ("lru", dict(miss="cpu")),
+    ("lfu", dict(miss="cpu")), ("least-stale", dict(miss="cpu")), ("score", dict(miss="cpu")), ("belady", {}),
+    ("spac", {}), ("spac", dict(miss="cpu")), ("lookahead/host", {}),
 ])
 def test_simulator_and_live_path_agree(name, kw):
-    trace = synthesize_trace(30, RoutingModel(n_layer=4, n_expert=16, top_k=2), gamma=3, draft_fidelity=None, seed=5)
+    # with the draft's routing: the live loop hands the policy the draft's routing token by
+    # token while it drafts (draft_plan), as the simulator does
+    trace = synthesize_trace(30, RoutingModel(n_layer=4, n_expert=16, top_k=2), gamma=3, draft_fidelity=0.8, seed=5)
     sim = Simulator(trace, SimConfig(cache_ratio=0.3))
     recorded = Recorder(make_policy(name, **kw))
     sim.run(recorded)
 
     live = make_policy(name, **kw)
     live.reset(sim.context(live))
+    assert any(c[0] == "draft" for c in recorded.calls) == live.uses_draft_routing
     for routing, resident, feedback, plan in recorded.calls:
+        if isinstance(routing, str):  # a draft token: (drafted so far, resident, plan)
+            drafted, resident, plan = resident, feedback, plan
+            again = live.draft_plan(drafted, resident)
+            assert (again is None) == (plan is None)
+            if plan is not None:
+                _same(again, plan)
+            continue
         if routing is not None:
             observe(live, routing, trace.n_expert)
         again = live.plan(routing, resident, feedback)
-        np.testing.assert_array_equal(again.utility, plan.utility)
-        np.testing.assert_array_equal(again.threshold, plan.threshold)
-        for a, b in ((again.prefetch, plan.prefetch), (again.evict, plan.evict)):
-            assert (a is None) == (b is None)
-            if a is not None:
-                np.testing.assert_array_equal(a, b)
+        _same(again, plan)
+
+
+def _same(again, plan):
+    np.testing.assert_array_equal(again.utility, plan.utility)
+    np.testing.assert_array_equal(again.threshold, plan.threshold)
+    for a, b in ((again.prefetch, plan.prefetch), (again.evict, plan.evict)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)

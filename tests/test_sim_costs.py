@@ -87,7 +87,7 @@ def test_prefetch_during_drafting_and_visibility():
 
 def test_oracle_waits_for_its_copies():
     # the oracle wants all 6 experts before step 0 (loaded free) and keeps them: 10 ms per step
-    r = run("oracle", capacity=8)
+    r = run("belady", capacity=8)
     np.testing.assert_allclose(r.step_time, [10 * MS, 10 * MS])
     assert r.hit_rate == 1.0 and r.stall_s == 0.0
 

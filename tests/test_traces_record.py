@@ -35,17 +35,22 @@ def recording(policy):
     return calls
 
 
-@pytest.fixture(scope="module")
-def live_run(tmp_path_factory):
+def session_config(tmp_path_factory, name):
+    """A random tiny MoE target and its Q4_0 self-draft (same experts), engine on."""
     if not native.engine_built():
         pytest.skip("native engine not built")
-    d = tmp_path_factory.mktemp("record")
+    d = tmp_path_factory.mktemp(name)
     target = make_random_model(d / "target.gguf", CFG, seed=1)
     draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
-    policy = make_policy("moe-spac")
+    return d, speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
+                                        budget_ratio=0.25, calibration_cache=d / "cal.json")
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    d, cfg = session_config(tmp_path_factory, "record")
+    policy = make_policy("moe-spac-paper")
     calls = recording(policy)
-    cfg = speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
-                                    budget_ratio=0.25, calibration_cache=d / "cal.json")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, 12).tolist() for _ in range(3)]
     with speculative.Session(cfg, policy=policy) as session:
@@ -65,7 +70,7 @@ def test_recorded_trace_matches_the_live_steps(live_run):
 
 def test_replay_makes_the_live_plans(live_run):
     trace, policy, calls = live_run
-    replay = make_policy("moe-spac")
+    replay = make_policy("moe-spac-paper")
     ctx = policy.ctx
     replay.reset(PolicyContext(ctx.n_layer, ctx.n_expert, ctx.top_k, ctx.capacity, ctx.gamma))
     step = 0
@@ -82,7 +87,7 @@ def test_replay_makes_the_live_plans(live_run):
 def test_simulator_replays_the_recorded_trace(live_run):
     trace, policy, _ = live_run
     sim = Simulator(trace, SimConfig(capacity=policy.ctx.capacity, draft=None))
-    for name in ("moe-spac", "static", "lru", "oracle"):
+    for name in ("moe-spac-paper", "static", "lru", "belady", "spac"):
         result = sim.run(make_policy(name))
         assert result.tokens == trace.n_generated and 0.0 <= result.hit_rate <= 1.0
 
@@ -108,3 +113,72 @@ def test_trace_record_command(live_run, tmp_path, monkeypatch):
     assert t.n_steps > 0 and t.meta["gamma"] == 4 and (t.n_drafted <= 4).all()
     r = CliRunner().invoke(app, ["trace", "record", str(out)])
     assert r.exit_code != 0
+
+
+@pytest.fixture(scope="module")
+def lookahead_run(tmp_path_factory):
+    """The default ranking live (host compute on miss: what the native engine does), with the
+    Q4_0 self-draft's routing read from the draft context while it drafts."""
+    d, cfg = session_config(tmp_path_factory, "lookahead")
+    policy = make_policy("spac/host")
+    calls = []
+    plan, draft_plan = policy.plan, policy.draft_plan
+
+    def on_plan(routing, resident, feedback=None):
+        out = plan(routing, resident, feedback)
+        kept = None if routing is None else StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
+                                                        n_drafted=routing.n_drafted, n_accepted=routing.n_accepted)
+        calls.append(("plan", kept, resident.copy(), feedback, out))
+        return out
+
+    def on_draft(drafted, resident):
+        out = draft_plan(drafted, resident)
+        calls.append(("draft", drafted.copy(), resident.copy(), None, out))
+        return out
+
+    policy.plan, policy.draft_plan = on_plan, on_draft
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, 12).tolist() for _ in range(2)]
+    with speculative.Session(cfg, policy=policy) as session:
+        assert session.draft_routing is not None
+        trace = record_trace(session, d / "lookahead.npz", prompts, max_tokens=24)
+    return trace, policy, calls, d / "lookahead.npz"
+
+
+def test_draft_routing_is_recorded_and_replays_the_live_plans(lookahead_run):
+    trace, policy, calls, _ = lookahead_run
+    assert trace.has_draft_routing and trace.n_steps > 5
+    drafts = [c for c in calls if c[0] == "draft"]
+    assert len(drafts) == int(trace.n_drafted.sum())  # one lookahead plan per draft token
+    # replay from the file through the calls the simulator makes: same plans
+    replay = make_policy("spac/host")
+    ctx = policy.ctx
+    replay.reset(PolicyContext(ctx.n_layer, ctx.n_expert, ctx.top_k, ctx.capacity, ctx.gamma))
+    step, row = 0, 0
+    for kind, routing, resident, feedback, live_plan in calls:
+        if kind == "plan":
+            if routing is not None:
+                routing = trace.step(step)
+                step += 1
+                row = 0
+            plan = replay.plan(routing, resident, feedback)
+        else:
+            row += 1
+            drafted = trace.draft_step(step)[:row]
+            np.testing.assert_array_equal(drafted, routing)
+            plan = replay.draft_plan(drafted, resident)
+        for a, b in ((plan.utility, live_plan.utility), (plan.prefetch, live_plan.prefetch), (plan.evict, live_plan.evict)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_recorded_trace_simulates_as_its_own_model(lookahead_run):
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+
+    _, _, _, path = lookahead_run
+    r = CliRunner().invoke(app, ["sim", "run", "--trace", str(path), "-p", "spac", "-p", "lru/host"])
+    assert r.exit_code == 0, r.output
+    assert "lookahead" not in r.output or "skipped" not in r.output
+    r = CliRunner().invoke(app, ["sim", "accuracy", "--trace", str(path)])
+    assert r.exit_code == 0 and "previous step" in r.output, r.output

@@ -1,20 +1,39 @@
-"""Expert-placement policies, one class each, shared by the live engine and the simulator.
+"""Expert-placement policies, shared by the live engine and the simulator.
 
 The interface is in `base` (`Policy`, `PolicyContext`, `Feedback`); a policy turns the routing
 of the last verify pass and its own state into an `orchestrator.plan.Plan`.
 
-    name          class                        from
-    static        StaticPlacement              llama.cpp --n-cpu-moe (the paper's llama.cpp-w/SD)
-    lru           LRU(per_layer=True)          Mixtral-offloading: on-demand fetch + LRU per layer
-    lru-global    LRU(per_layer=False)         one LRU pool over all layers
-    lfu           LFU                          least frequently used (MoE-Infinity)
-    least-stale   LeastStale                   SpecMD (seed 001)
-    score         ScoreBased                   lowest accumulated routing weight (Zhu et al.)
-    hybrimoe      HybriMoE                     greedy two-ended CPU/GPU split, score-aware cache
-    specmoe       SpecMoEHotSet                SpecMoE's hot set (seed 003)
-    moe-speq      MoESpeQLookahead             MoE-SpeQ's lookahead from an MoE draft (seed 000)
-    moe-spac      MoESpAc                      estimator + balancer (seed 004)
-    oracle        Oracle                       future knowledge: per-pass optimum + Belady
+A policy is a combination (SpecMD's framework, seed 001) of four choices:
+
+    ranking   which experts deserve a slot: lru, lfu, least-stale, score (routing weight),
+              utility (MoE-SpAc's Algorithm 1), lookahead (the draft's routing, MoE-SpeQ),
+              belady (future knowledge), spac (learned from verify pass and draft: `default`)
+    miss      what happens to a needed expert that is not on the device: "fetch" (copy it in
+              the pass, compute on the device), "host" (compute it on the host; `Policy.miss`
+              "cpu"), "greedy" (HybriMoE's two-ended split: copy when that finishes first)
+    window    when copies are issued: "pass" (after each verify pass, for the next one) or
+              "draft" (also while the draft drafts, from its routing)
+    split     how the device/host split is decided: "resident" (an expert runs where it is),
+              "tau" (MoE-SpAc's balancer: a threshold per layer), "layer" (whole layers on one
+              side, llama.cpp --n-cpu-moe)
+
+Named systems are combinations (`SYSTEMS`); the zoo (`ZOO`) is every ranking with host compute
+on miss, which is what a llama.cpp user gets (upstream computes misses on the CPU).
+
+    name            ranking       miss    window  split     from
+    static          layer order   host    -       layer     llama.cpp --n-cpu-moe (the paper's llama.cpp-w/SD)
+    lru             lru/layer     fetch   pass    resident  Mixtral-offloading
+    lru-global      lru           fetch   pass    resident  one LRU pool over all layers
+    lfu             lfu           fetch   pass    resident  MoE-Infinity
+    least-stale     least-stale   fetch   pass    resident  SpecMD (seed 001)
+    score           score         fetch   pass    resident  Zhu et al., as benchmarked by SpecMD
+    hybrimoe        score (decay) greedy  pass    resident  HybriMoE
+    specmoe         hot set       fetch   pass    resident  SpecMoE (seed 003)
+    moe-speq        lookahead     fetch   draft   resident  MoE-SpeQ (seed 000)
+    moe-spac-paper  utility       host    pass    tau       MoE-SpAc (seed 004), Algorithm 1 as written
+    spac            spac          greedy  draft   resident  spac's default (`default`)
+    belady          belady        host    pass    resident  future knowledge (not the limit: `sim.limit`)
+    <ranking>/host  the zoo: each ranking above with host compute on miss
 """
 
 from __future__ import annotations
@@ -23,38 +42,85 @@ from typing import Callable
 
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.cache import LFU, LRU, LeastStale, ScoreBased
+from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.hybrimoe import HybriMoE
 from orchestrator.policies.lookahead import MoESpeQLookahead
 from orchestrator.policies.oracle import Oracle
 from orchestrator.policies.specmoe import SpecMoEHotSet
 from orchestrator.policies.static import StaticPlacement
 
+DEFAULT = "spac"
+MISS_RULES = {"fetch": "fetch", "host": "cpu", "greedy": "greedy"}
 
-def _lru_global(**kw) -> LRU:
-    policy = LRU(per_layer=False, **kw)
-    policy.name = "lru-global"
-    return policy
+
+def _named(name: str, factory: Callable[..., Policy], **fixed) -> Callable[..., Policy]:
+    def make(**kw) -> Policy:
+        policy = factory(**{**fixed, **kw})
+        policy.name = name
+        return policy
+    make.__doc__ = f"{factory.__name__}({', '.join(f'{k}={v!r}' for k, v in fixed.items())})"
+    return make
 
 
 def _moe_spac(**kw) -> Policy:
     from orchestrator.policies.spac import MoESpAc  # needs orchestrator.estimator / .balancer
 
-    return MoESpAc(**kw)
+    policy = MoESpAc(**kw)
+    policy.name = "moe-spac-paper"
+    return policy
 
 
-POLICIES: dict[str, Callable[..., Policy]] = {
+SYSTEMS: dict[str, Callable[..., Policy]] = {
     "static": StaticPlacement,
     "lru": LRU,
-    "lru-global": _lru_global,
+    "lru-global": _named("lru-global", LRU, per_layer=False),
     "lfu": LFU,
     "least-stale": LeastStale,
     "score": ScoreBased,
     "hybrimoe": HybriMoE,
     "specmoe": SpecMoEHotSet,
     "moe-speq": MoESpeQLookahead,
-    "moe-spac": _moe_spac,
-    "oracle": Oracle,
+    "moe-spac-paper": _moe_spac,
+    DEFAULT: LookaheadUtility,
+    "belady": Oracle,
 }
+
+# every ranking with host compute on miss (the settings a llama.cpp user would pick)
+ZOO: dict[str, Callable[..., Policy]] = {
+    "lru/host": _named("lru/host", LRU, miss="cpu"),
+    "lfu/host": _named("lfu/host", LFU, miss="cpu"),
+    "least-stale/host": _named("least-stale/host", LeastStale, miss="cpu"),
+    "score/host": _named("score/host", ScoreBased, miss="cpu", decay=0.8),
+    "utility/host": _moe_spac,
+    "lookahead/host": _named("lookahead/host", MoESpeQLookahead, miss="cpu"),
+    "spac/host": _named("spac/host", LookaheadUtility, miss="cpu"),
+    "belady/host": _named("belady/host", Oracle),
+}
+
+# name → (ranking, miss rule, prefetch window, split rule): the table above as data
+COMBINATIONS: dict[str, tuple[str, str, str, str]] = {
+    "static": ("layer order", "host", "-", "layer"),
+    "lru": ("lru/layer", "fetch", "pass", "resident"),
+    "lru-global": ("lru", "fetch", "pass", "resident"),
+    "lfu": ("lfu", "fetch", "pass", "resident"),
+    "least-stale": ("least-stale", "fetch", "pass", "resident"),
+    "score": ("score", "fetch", "pass", "resident"),
+    "hybrimoe": ("score (decay)", "greedy", "pass", "resident"),
+    "specmoe": ("hot set", "fetch", "pass", "resident"),
+    "moe-speq": ("lookahead", "fetch", "draft", "resident"),
+    "moe-spac-paper": ("utility", "host", "pass", "tau"),
+    DEFAULT: ("spac", "greedy", "draft", "resident"),
+    "belady": ("belady", "host", "pass", "resident"),
+    "lru/host": ("lru/layer", "host", "pass", "resident"),
+    "lfu/host": ("lfu", "host", "pass", "resident"),
+    "least-stale/host": ("least-stale", "host", "pass", "resident"),
+    "score/host": ("score (decay)", "host", "pass", "resident"),
+    "lookahead/host": ("lookahead", "host", "draft", "resident"),
+    "spac/host": ("spac", "host", "draft", "resident"),
+}
+
+ALIASES = {"utility/host": "moe-spac-paper", "belady/host": "belady"}  # zoo rows that are systems already
+POLICIES: dict[str, Callable[..., Policy]] = {**SYSTEMS, **{k: v for k, v in ZOO.items() if k not in ALIASES}}
 
 
 def make_policy(name: str, **kwargs) -> Policy:
@@ -66,4 +132,4 @@ def make_policy(name: str, **kwargs) -> Policy:
     return factory(**kwargs)
 
 
-__all__ = ["POLICIES", "Feedback", "Policy", "PolicyContext", "make_policy", "observe"]
+__all__ = ["ALIASES", "COMBINATIONS", "DEFAULT", "POLICIES", "SYSTEMS", "ZOO", "Feedback", "Policy", "PolicyContext", "make_policy", "observe"]

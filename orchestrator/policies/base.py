@@ -83,6 +83,7 @@ class Policy:
     name = "policy"
     miss = "cpu"
     uses_draft_routing = False
+    draft_optional = False  # with uses_draft_routing: also runs (without draft_plan calls) when there is none
     needs_future = False
     evicts = True
     wait_for_prefetch = False  # the simulator starts the pass only once the plan's copies are done

@@ -16,8 +16,12 @@ Ties: the lower (layer, expert) is evicted first and, consistently, kept last.
 
 A verify pass runs each layer once, so recency is tracked per layer access. With that clock a
 global LRU orders its victims exactly as Least-Stale does (oldest pass first, then lower
-layer): the gap SpecMD measures between them comes from token-by-token access within a pass
-and from prefetched experts, neither of which occurs here.
+layer): `lru-global` and `least-stale` are one policy here and print identical rows. With fetch
+on demand both thrash once a pass needs more experts than the pool (each in-pass copy evicts
+what the next layers need, hit rate ≈ 0: LRU on a loop), which is why the zoo shows them with
+host compute on miss. The gap SpecMD measures comes from token-by-token access within a pass,
+where LRU can evict an expert the pass itself just used and Least-Stale does not:
+`bench/sim_least_stale.py` measures both access models side by side.
 """
 
 from __future__ import annotations

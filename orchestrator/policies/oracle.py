@@ -1,4 +1,5 @@
-"""The limit: full knowledge of the future routing.
+"""Belady with full knowledge of the future routing (a ranking, not the limit on tokens/s:
+that is `orchestrator.sim.limit`, which also optimises split and miss rule per layer).
 
 Before each pass the pool holds the `capacity` experts that the coming pass uses most (token
 count), so no policy can have more token-weighted hits in any pass; remaining slots (and
@@ -19,7 +20,7 @@ NEVER = 1 << 30
 
 
 class Oracle(Policy):
-    name = "oracle"
+    name = "belady"
     miss = "cpu"
     needs_future = True
     wait_for_prefetch = True

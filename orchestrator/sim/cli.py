@@ -24,13 +24,13 @@ from orchestrator.options import RunOptions, run_options
 from orchestrator.policies import POLICIES
 from orchestrator.sim import profiles
 from orchestrator.sim.simulator import SimConfig, SimResult
-from orchestrator.sim.synthetic import QWEN3_30B_A3B, synthesize_trace
+from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, synthesize_trace
 from orchestrator.sim.trace import Trace, TraceError, read_trace
 
 app = typer.Typer(help="Trace-driven simulation of expert caching policies (tables and PNG plots).",
                   no_args_is_help=True)
 trace_app = typer.Typer(help="Routing traces: record, synthesise, inspect.", no_args_is_help=True)
-console = Console(width=150)
+console = Console(width=220)
 err_console = Console(stderr=True, highlight=False)
 
 DEFAULT_RATIOS = "0.05,0.10,0.17,0.25,0.35,0.50"
@@ -41,8 +41,13 @@ SeedOpt = typer.Option(0, "--seed", help="synthetic trace seed")
 GammaOpt = typer.Option(8, "--gamma", help="synthetic draft length γ")
 AcceptOpt = typer.Option(0.75, "--acceptance", help="synthetic per-token acceptance α")
 HardwareOpt = typer.Option("rtx4090", "--hardware", help="hardware profile (spac sim profiles)")
-ModelOpt = typer.Option("qwen3-30b-a3b", "--model", help="target model profile")
-DraftOpt = typer.Option("qwen3-4b", "--draft", help="draft model profile, or 'none' for free drafting")
+ModelOpt = typer.Option(None, "--model-profile", "--model",
+                        help="target model profile (spac sim profiles) [default: qwen3-30b-a3b; with --trace: "
+                             "the trace's own model, from the GGUF it was recorded from]")
+GgufOpt = typer.Option(None, "--gguf", help="GGUF the trace was recorded from (its shape and expert size)")
+DEFAULT_MODEL = "qwen3-30b-a3b"
+DraftOpt = typer.Option(None, "--draft", help="draft model profile or GGUF, or 'none' for free drafting "
+                        "[default: qwen3-4b; with --trace: the draft GGUF the trace was recorded with]")
 RatioOpt = typer.Option(0.17, "--cache-ratio", help="expert pool / all experts")
 QuantOpt = typer.Option("Q4_K", "--quant", help="weight format of the target (Q4_K, Q6_K, Q8_0, MXFP4, BF16)")
 VisibilityOpt = typer.Option("pass", "--visibility", help="'pass' (engine: maps per ubatch) or 'layer' (paper Fig. 3)")
@@ -50,28 +55,55 @@ PolicyOpt = typer.Option(None, "--policy", "-p", help="policy (repeatable); defa
 OutOpt = typer.Option(None, "--out", help="directory for PNG plots and JSON results")
 
 
-def _config(hardware, model, draft, ratio, visibility, quant="Q4_K") -> SimConfig:
+def _config(hardware, model, draft, ratio, visibility, quant="Q4_K", trace: Trace | None = None) -> SimConfig:
     if quant not in profiles.BITS_PER_WEIGHT:
         raise typer.BadParameter(f"unknown format {quant!r}; known: {', '.join(profiles.BITS_PER_WEIGHT)}", param_hint="--quant")
-    return SimConfig(hardware=hardware, model=model, draft=None if draft in (None, "none") else draft,
-                     cache_ratio=ratio, visibility=visibility, quant=quant)
+    draft_quant = "Q8_0"
+    if draft is None:  # the draft the trace was recorded with, else the paper's
+        recorded = None if trace is None else trace.meta.get("draft_gguf")
+        draft = recorded if recorded and Path(recorded).exists() else "qwen3-4b"
+    if str(draft).endswith(".gguf"):
+        try:
+            profile, draft_quant = profiles.from_gguf(draft, draft=True)
+        except (ValueError, OSError, KeyError) as e:
+            raise typer.BadParameter(f"{draft}: {e}", param_hint="--draft") from None
+        draft = profiles.register(profile)
+    return SimConfig(hardware=hardware, model=model, draft=None if draft == "none" else draft,
+                     cache_ratio=ratio, visibility=visibility, quant=quant, draft_quant=draft_quant)
 
 
-def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: str) -> Trace:
-    m = profiles.model(model)
+def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: Optional[str],
+           gguf: Optional[Path] = None) -> tuple[Trace, str, Optional[str]]:
+    """(trace, model profile key, weight format of a GGUF-derived profile or None)."""
     if path is None:
+        model = model or DEFAULT_MODEL
+        m = profiles.model(model)
+        if model in FAMILIES:
+            return family_trace(model, steps, gamma=gamma, acceptance=acceptance, seed=seed), model, None
         routing = QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k)
-        label = "synthetic Qwen3-30B-A3B" if routing == QWEN3_30B_A3B else f"synthetic {m.name} (Qwen3 dynamics, uncalibrated)"
-        return synthesize_trace(steps, routing, gamma=gamma, acceptance=acceptance, seed=seed, name=label)
+        label = f"synthetic {m.name} (Qwen3 dynamics, uncalibrated)"
+        return synthesize_trace(steps, routing, gamma=gamma, acceptance=acceptance, seed=seed, name=label), model, None
     try:
         trace = read_trace(path)
     except TraceError as e:
         raise typer.BadParameter(str(e), param_hint="--trace") from None
+    quant = None
+    if model is None:  # the trace's own model: from its GGUF
+        source = gguf or trace.meta.get("gguf")
+        if source is None or not Path(source).exists():
+            raise typer.BadParameter(f"the trace names no GGUF that exists here ({source}); give --gguf FILE or "
+                                     "--model-profile NAME", param_hint="--trace")
+        try:
+            profile, quant = profiles.from_gguf(source)
+        except (ValueError, OSError, KeyError) as e:
+            raise typer.BadParameter(f"{source}: {e}", param_hint="--gguf") from None
+        model = profiles.register(profile)
+    m = profiles.model(model)
     if (trace.n_layer, trace.n_expert, trace.top_k) != (m.n_layer, m.n_expert, m.top_k):
         raise typer.BadParameter(
             f"trace shape (layers {trace.n_layer}, experts {trace.n_expert}, top-k {trace.top_k}) does not match "
-            f"--model {model} ({m.n_layer}, {m.n_expert}, {m.top_k})", param_hint="--trace")
-    return trace.head(steps)
+            f"--model-profile {model} ({m.n_layer}, {m.n_expert}, {m.top_k})", param_hint="--trace")
+    return trace.head(steps), model, quant
 
 
 def _names(policy: Optional[List[str]]) -> list[str]:
@@ -158,19 +190,32 @@ def profiles_cmd() -> None:
 
 @app.command("run")
 def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
-            acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
+            acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: Optional[str] = ModelOpt, gguf: Optional[Path] = GgufOpt, draft: str = DraftOpt,
             cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
             quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
     """All policies side by side on one trace."""
     from orchestrator.sim.experiments import compare
 
-    t = _trace(trace, steps, seed, gamma, acceptance, model)
-    config = _config(hardware, model, draft, cache_ratio, visibility, quant)
+    t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
+    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
+    from orchestrator.policies import COMBINATIONS
+    from orchestrator.sim.limit import limit
+
     names = _names(policy)
     with _working(f"simulating {len(names)} policies on {t.n_steps} steps"):
         results, skipped = compare(t, config, names)
     setting = _setting(t, config)
-    console.print(_table(setting, [r.row() for r in results]))
+    bound = limit(t, results[0].capacity, config.costs()) if results else None
+    rows = []
+    for r in results:
+        ranking, miss, window, split = COMBINATIONS.get(r.policy, ("?",) * 4)
+        row = r.row()
+        rows.append({"policy": row.pop("policy"), "ranking": ranking, "miss": miss, "window": window, "split": split,
+                     **row, "÷ limit": row["tok/s"] / bound.tokens_per_s})
+    console.print(_table(setting, rows))
+    if bound is not None:
+        console.print(f"limit (an upper bound on tok/s under this cost model, orchestrator/sim/limit.py): "
+                      f"{bound.tokens_per_s:.1f} tok/s")
     for s in skipped:
         console.print(f"[yellow]skipped {s.policy}: {s.reason}[/yellow]")
     _write(out, "policies", {"setting": setting, "results": [r.row() for r in results]},
@@ -179,16 +224,16 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
 
 @app.command("sweep-cache")
 def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
-                    acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt,
+                    acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: Optional[str] = ModelOpt, gguf: Optional[Path] = GgufOpt,
                     draft: str = DraftOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
                     ratios: str = typer.Option(DEFAULT_RATIOS, "--ratios", help="comma-separated cache ratios"),
                     quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
     """Tokens/s against the expert cache ratio (paper Fig. 5 left)."""
     from orchestrator.sim.experiments import sweep_cache_ratio
 
-    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     rs = _ratios(ratios)
-    config = _config(hardware, model, draft, rs[0], visibility, quant)
+    config = _config(hardware, model, draft, rs[0], visibility, gguf_quant or quant, t)
     with _working(f"sweeping {len(rs)} cache ratios"):
         sweep = sweep_cache_ratio(t, config, _names(policy), rs)
     rows = [{"policy": name, **{f"{100 * r:.0f}%": (np.nan if x is None else x.tokens_per_s) for r, x in zip(rs, res)}}
@@ -201,15 +246,15 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
 
 @app.command("sweep-k")
 def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
-                acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
+                acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: Optional[str] = ModelOpt, gguf: Optional[Path] = GgufOpt, draft: str = DraftOpt,
                 cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt,
                 k_max: int = typer.Option(8, "--k-max", help="largest K"), quant: str = QuantOpt,
                 out: Optional[Path] = OutOpt) -> None:
     """MoE-SpAc tokens/s against the utility bound K (paper Fig. 5 right)."""
     from orchestrator.sim.experiments import sweep_k
 
-    t = _trace(trace, steps, seed, gamma, acceptance, model)
-    config = _config(hardware, model, draft, cache_ratio, visibility, quant)
+    t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
+    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     ks = list(range(1, k_max + 1))
     with _working(f"sweeping K = 1..{k_max}"):
         results = sweep_k(t, config, ks)
@@ -222,18 +267,18 @@ def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: i
 
 @app.command("ablation")
 def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
-                 acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: str = ModelOpt, draft: str = DraftOpt,
+                 acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: Optional[str] = ModelOpt, gguf: Optional[Path] = GgufOpt, draft: str = DraftOpt,
                  cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, quant: str = QuantOpt,
                  out: Optional[Path] = OutOpt) -> None:
     """MoE-SpAc with one component removed at a time (paper Table 4). "w/o SD" needs a synthetic
     trace (it replays the same routing model decoded autoregressively)."""
     from orchestrator.sim.experiments import ablation
 
-    t = _trace(trace, steps, seed, gamma, acceptance, model)
+    t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     ar = None
     if trace is None:
-        ar = _trace(None, t.n_generated, seed, 0, acceptance, model)
-    config = _config(hardware, model, draft, cache_ratio, visibility, quant)
+        ar = _trace(None, t.n_generated, seed, 0, acceptance, model)[0]
+    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     with _working("simulating the ablations"):
         rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
     for row in rows:
@@ -244,16 +289,41 @@ def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
 
 @app.command("accuracy")
 def accuracy_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
-                 acceptance: float = AcceptOpt, model: str = ModelOpt,
+                 acceptance: float = AcceptOpt, model: Optional[str] = ModelOpt, gguf: Optional[Path] = GgufOpt,
                  tau: int = typer.Option(1, "--tau", help="hot ⇔ utility ≥ τ (the paper's Fig. 4 uses 1)"),
                  k_max: int = typer.Option(4, "--k-max", help="utility bound K")) -> None:
     """Hot/cold prediction accuracy of the utility estimator (paper Fig. 4)."""
     from orchestrator.sim.experiments import hot_cold_accuracy
 
-    t = _trace(trace, steps, seed, gamma, acceptance, model)
-    rows = [{"layers": "all", **hot_cold_accuracy(t, k_max=k_max, tau=tau)},
-            {"layers": f"last ({t.n_layer - 1})", **hot_cold_accuracy(t, k_max=k_max, tau=tau, layer=t.n_layer - 1)}]
-    console.print(_table(f"hot/cold prediction, τ = {tau}, K = {k_max} — {t.model}", rows))
+    t = _trace(trace, steps, seed, gamma, acceptance, model, gguf)[0]
+    rows = []
+    for label, layer in (("all", None), (f"last ({t.n_layer - 1})", t.n_layer - 1)):
+        acc = hot_cold_accuracy(t, k_max=k_max, tau=tau, layer=layer)
+        for name in ("previous step", "paper", "spac"):
+            rows.append({"layers": label, "predictor": name, "accuracy": acc[f"{name} accuracy"],
+                         "precision": acc[f"{name} precision"], "recall": acc[f"{name} recall"]})
+    console.print(_table(f"hot/cold prediction of the next verify pass (paper: τ = {tau}, K = {k_max}; "
+                         f"spac: p ≥ 1/2) — {t.model}", rows))
+    console.print(f"share of experts used per step {acc['share used']:.3f}; Algorithm 1's calibrated boundaries "
+                  f"at the end: mean θ↑ {acc['paper mean θ↑']:.2f}, θ↓ {acc['paper mean θ↓']:.2f} (start ⌊γ/2⌋)")
+
+
+@app.command("families")
+def families_cmd(tokens: int = typer.Option(400, "--tokens"), seed: int = SeedOpt) -> None:
+    """The synthetic trace families: shape, what their locality is calibrated against, and the
+    locality this generator gives them (autoregressive routing of --tokens tokens)."""
+    from orchestrator.sim.locality import repeat_rates, shared_expert_rate
+    from orchestrator.sim.synthetic import generate_routing
+
+    rows = []
+    for key, f in FAMILIES.items():
+        r = f.routing
+        selected, _ = generate_routing(tokens, r, seed=seed)
+        rep = repeat_rates(selected, r.n_expert)
+        rows.append({"family": key, "layers": r.n_layer, "experts": r.n_expert, "top-k": r.top_k,
+                     "repeat next %": 100 * rep[1].mean(), "within 8 %": 100 * rep[8].mean(),
+                     "share an expert %": 100 * shared_expert_rate(selected), "locality": f.locality})
+    console.print(_table(f"trace families, {tokens} tokens", rows))
 
 
 @app.command("calibrate")
@@ -282,17 +352,19 @@ def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = Hardw
     """The paper's experiments on the synthetic Qwen3-30B-A3B trace: policies, cache sweep, K
     sweep, ablation and estimator accuracy, as tables plus PNGs in --out."""
     common = dict(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, hardware=hardware,
-                  model="qwen3-30b-a3b", draft=draft, visibility=visibility, quant=quant)
+                  model="qwen3-30b-a3b", gguf=None, draft=draft, visibility=visibility, quant=quant)
     run_cmd(**common, cache_ratio=cache_ratio, policy=None, out=out)
-    sweep_cache_cmd(**common, policy=["static", "lru", "hybrimoe", "moe-spac", "oracle"], ratios=DEFAULT_RATIOS, out=out)
+    sweep_cache_cmd(**common, policy=["static", "lru/host", "hybrimoe", "moe-spac-paper", "spac"], ratios=DEFAULT_RATIOS, out=out)
     sweep_k_cmd(**common, cache_ratio=cache_ratio, k_max=8, out=out)
     ablation_cmd(**common, cache_ratio=cache_ratio, out=out)
-    accuracy_cmd(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, model="qwen3-30b-a3b", tau=1, k_max=4)
+    accuracy_cmd(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, model="qwen3-30b-a3b", gguf=None,
+                 tau=1, k_max=4)
 
 
 def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None = None) -> Trace:
     """Generate greedily from each prompt on an open `orchestrator.speculative.Session` (expert
     engine on: it exports the routing) and write every verification step to `out`."""
+    from orchestrator.plan import StepRouting
     from orchestrator.sim.trace import TraceWriter
     from orchestrator.sampling import SamplingParams
 
@@ -302,8 +374,13 @@ def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None
     writer = TraceWriter(out, n_layer=engine.n_moe_layers, n_expert=engine.n_expert, top_k=engine.n_expert_used,
                          model=Path(str(session.target.path)).stem,
                          meta={"gamma": session.gamma, "mode": session.mode, "prompts": len(prompts),
+                               "gguf": str(Path(str(session.target.path)).resolve()),
+                               "draft_gguf": None if session.draft is None else str(Path(str(session.draft.path)).resolve()),
                                "max_tokens": max_tokens, **(meta or {})})
-    previous, session.on_step = session.on_step, writer.append
+    def append(step: StepRouting) -> None:  # with the draft's routing when the draft is an MoE
+        writer.append(step, session.last_draft_routing)
+
+    previous, session.on_step = session.on_step, append
     try:
         for prompt in prompts:
             session.complete(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
@@ -348,13 +425,18 @@ def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"
 
 @trace_app.command("synth")
 def synth_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"), steps: int = StepsOpt,
-              seed: int = SeedOpt, gamma: int = GammaOpt, acceptance: float = AcceptOpt, model: str = ModelOpt,
+              seed: int = SeedOpt, gamma: int = GammaOpt, acceptance: float = AcceptOpt, model: Optional[str] = ModelOpt,
               draft_fidelity: float = typer.Option(0.9, "--draft-fidelity", help="MoE draft routing agreement; 0: none")) -> None:
-    """Write a synthetic routing trace (Qwen3-30B-A3B dynamics on --model's shape)."""
+    """Write a synthetic routing trace: a trace family's dynamics (spac sim families) or, for
+    another profile, Qwen3-30B-A3B's dynamics on its shape."""
+    model = model or DEFAULT_MODEL
     m = profiles.model(model)
-    routing = QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k)
-    t = synthesize_trace(steps, routing, gamma=gamma, acceptance=acceptance, draft_fidelity=draft_fidelity or None,
-                         seed=seed, name=f"synthetic {m.name}", layer_index=m.layer_index)
+    if model in FAMILIES:
+        t = family_trace(model, steps, gamma=gamma, acceptance=acceptance, draft_fidelity=draft_fidelity or None, seed=seed)
+    else:
+        routing = QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k)
+        t = synthesize_trace(steps, routing, gamma=gamma, acceptance=acceptance, draft_fidelity=draft_fidelity or None,
+                             seed=seed, name=f"synthetic {m.name}", layer_index=m.layer_index)
     t.save(out)
     console.print(f"wrote {out}: {t.n_steps} steps, {t.n_generated} tokens, {t.n_layer} MoE layers")
 

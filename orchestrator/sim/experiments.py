@@ -4,8 +4,8 @@
 - `sweep_cache_ratio`: tokens/s against the expert cache ratio (Fig. 5 left).
 - `sweep_k`: MoE-SpAc's tokens/s against the utility bound K (Fig. 5 right).
 - `ablation`: MoE-SpAc with one component removed at a time (Table 4).
-- `hot_cold_accuracy`: how well a step's utilities predict which experts the next step uses
-  (Fig. 4: τ = 1, hot ⇔ utility ≥ τ, compared with "used in the previous step").
+- `hot_cold_accuracy`: how well the paper's utilities, spac's and "used in the previous step"
+  predict which experts the next step uses (Fig. 4: τ = 1, hot ⇔ utility ≥ τ).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def runnable(trace: Trace, names) -> tuple[list[str], list[Skipped]]:
     ok, skipped = [], []
     for name in names:
         policy = make_policy(name)
-        if policy.uses_draft_routing and not trace.has_draft_routing:
+        if policy.uses_draft_routing and not trace.has_draft_routing and not policy.draft_optional:
             skipped.append(Skipped(name, "needs the draft's routing (an MoE draft); the trace has none"))
         else:
             ok.append(name)
@@ -74,51 +74,66 @@ def sweep_cache_ratio(trace: Trace, config: SimConfig, names, ratios, n_steps: i
 
 def sweep_k(trace: Trace, config: SimConfig, ks=range(1, 9), n_steps: int | None = None) -> list[SimResult]:
     sim = Simulator(trace, config)
-    return [sim.run(make_policy("moe-spac", k_max=k), n_steps) for k in ks]
+    return [sim.run(make_policy("moe-spac-paper", k_max=k), n_steps) for k in ks]
 
 
 def ablation(trace: Trace, config: SimConfig, ar_trace: Trace | None = None, n_steps: int | None = None) -> list[tuple[str, SimResult]]:
     """Table 4; "w/o SD" replays `ar_trace` (the same routing model decoded autoregressively)."""
     sim = Simulator(trace, config)
-    rows = [(label, sim.run(make_policy("moe-spac", **kw), n_steps)) for label, kw in ABLATIONS.items()]
+    rows = [(label, sim.run(make_policy("moe-spac-paper", **kw), n_steps)) for label, kw in ABLATIONS.items()]
     if ar_trace is not None:
         ar = Simulator(ar_trace, replace(config, draft=None))
-        rows.append(("w/o SD", ar.run(make_policy("moe-spac"))))
+        rows.append(("w/o SD", ar.run(make_policy("moe-spac-paper"))))
     return rows
 
 
 def hot_cold_accuracy(trace: Trace, k_max: int = 4, tau: int = 1, lam: float = 0.1, layer: int | None = None) -> dict[str, float]:
-    """Share of (expert, step) pairs whose hot/cold prediction for step t+1 was right.
+    """How well each predictor says, before verify pass t+1, which experts it will use.
 
-    estimator: hot ⇔ utility ≥ τ after step t (Algorithm 1); previous step: hot ⇔ used in
-    step t (the binary signal an autoregressive scheduler such as HybriMoE has, here given
-    the whole verify pass). Also precision and recall of "hot" for the estimator. `layer`:
-    one MoE layer (the paper plots its 47th), or all layers.
+    Predictors: "previous step" (hot ⇔ used in step t: the binary signal an autoregressive
+    scheduler such as HybriMoE has, here given the whole verify pass); "paper" (MoE-SpAc's
+    Algorithm 1, hot ⇔ utility ≥ τ, as in the paper's Fig. 4); "spac" (the default policy's
+    learned utility, hot ⇔ p ≥ 1/2, with the draft's routing of the tokens it drafts for pass
+    t+1 when the trace has it). For each: accuracy over (expert, step) pairs, precision and
+    recall of "hot". Also the mean calibrated boundaries θ↑, θ↓ of Algorithm 1 at the end
+    (the finding: they sink to 1). `layer`: one MoE layer (the paper plots its 47th), or all.
     """
+    from orchestrator.policies.default import LookaheadUtility
+    from orchestrator.policies.base import PolicyContext
+
     gamma = int(trace.n_drafted.max()) or 2
     est = UtilityEstimator(trace.n_layer, trace.n_expert, gamma=gamma, k_max=k_max, lam=lam)
+    spac = LookaheadUtility()
+    spac.reset(PolicyContext(trace.n_layer, trace.n_expert, trace.top_k, capacity=0, gamma=gamma))
+    resident = np.zeros((trace.n_layer, trace.n_expert), dtype=bool)
+    spac.plan(None, resident)
     rows = slice(None) if layer is None else slice(layer, layer + 1)
-    right_est = right_prev = tp = pred_hot = actual_hot = total = 0
+    tally = {k: np.zeros(4) for k in ("previous step", "paper", "spac")}  # right, tp, predicted hot, actual hot
+    total = 0
     prev_hot = None
-    for step in trace.steps():
-        used = step.frequency(trace.n_expert)[rows] > 0
+    for s, step in enumerate(trace.steps()):
+        drafted = trace.draft_step(s)
+        if drafted is not None:
+            for j in range(len(drafted)):
+                spac.draft_plan(drafted[: j + 1], resident)
+        freq = step.frequency(trace.n_expert)
+        used = freq[rows] > 0
         if prev_hot is not None:
-            hot = est.utility[rows] >= tau
-            right_est += int((hot == used).sum())
-            right_prev += int((prev_hot == used).sum())
-            tp += int((hot & used).sum())
-            pred_hot += int(hot.sum())
-            actual_hot += int(used.sum())
+            for name, hot in (("previous step", prev_hot), ("paper", est.utility[rows] >= tau), ("spac", spac.hot()[rows])):
+                tally[name] += [(hot == used).sum(), (hot & used).sum(), hot.sum(), used.sum()]
             total += used.size
-        est.update(step.frequency(trace.n_expert))
+        est.update(freq)
+        spac.plan(step, resident)
         prev_hot = used
-    return {
-        "estimator accuracy": right_est / total,
-        "previous-step accuracy": right_prev / total,
-        "estimator precision": tp / pred_hot if pred_hot else float("nan"),
-        "estimator recall": tp / actual_hot if actual_hot else float("nan"),
-        "share used": actual_hot / total,
-    }
+    out = {}
+    for name, (right, tp, pred, actual) in tally.items():
+        out[f"{name} accuracy"] = right / total if total else float("nan")
+        out[f"{name} precision"] = tp / pred if pred else float("nan")
+        out[f"{name} recall"] = tp / actual if actual else float("nan")
+    out["share used"] = tally["spac"][3] / total if total else float("nan")
+    out["paper mean θ↑"] = float(est.theta_up[rows].mean())
+    out["paper mean θ↓"] = float(est.theta_down[rows].mean())
+    return out
 
 
 def tokens_per_s(results) -> np.ndarray:

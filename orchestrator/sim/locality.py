@@ -103,3 +103,10 @@ def _access_sequence(selected: np.ndarray) -> np.ndarray:
     ordered = access_order(selected)
     n_tokens, n_layer, top_k = ordered.shape
     return ordered.transpose(1, 0, 2).reshape(n_layer, n_tokens * top_k).astype(np.int64)
+
+
+def shared_expert_rate(selected: np.ndarray) -> float:
+    """Share of consecutive token pairs (per layer) that choose at least one common expert: the
+    Mixtral paper's "first or second choice" repetition for top-2 routing (§5, Fig. 10)."""
+    a, b = selected[:-1], selected[1:]
+    return float((a[:, :, :, None] == b[:, :, None, :]).any(axis=(2, 3)).mean())

@@ -33,6 +33,7 @@ BITS_PER_WEIGHT = {
     "Q6_K": 210 * 8 / 256,   # block_q6_K
     "Q8_0": 34 * 8 / 32,     # block_q8_0: 1 half + 32 bytes per 32
     "MXFP4": 17 * 8 / 32,    # block_mxfp4: 1 scale byte + 16 bytes per 32
+    "Q4_0": 18 * 8 / 32,     # block_q4_0: 1 half + 16 bytes per 32
     "F16": 16.0,
     "BF16": 16.0,
 }
@@ -215,3 +216,70 @@ def _roofline(stream_s: float, flop_s: float, n_tokens):
     import numpy as np
 
     return np.maximum(stream_s, np.asarray(n_tokens, dtype=np.float64) * flop_s)
+
+
+def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
+    """(profile, weight format of its experts) read from a GGUF file's metadata and tensor
+    list, for simulating a model that has no hand-written profile (e.g. a recorded trace of
+    one's own model). Parameter counts come from the tensors themselves: per MoE block the
+    `ffn_*_exps` tensors divided by the expert count, and everything else of the block.
+    draft=True: the profile of a draft model, whose per-token cost is its whole block plus the
+    top_k experts each token reads (a dense draft has none)."""
+    from pathlib import Path
+
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    n_block, n_expert = int(field(f"{arch}.block_count")), int(field(f"{arch}.expert_count", 0))
+    d_model = int(field(f"{arch}.embedding_length"))
+    head_dim = int(field(f"{arch}.attention.key_length", d_model // int(field(f"{arch}.attention.head_count", 1))))
+    kv_heads = field(f"{arch}.attention.head_count_kv", field(f"{arch}.attention.head_count", 1))
+    kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
+    experts, rest, moe, head, expert_type = {}, {}, set(), 0, None
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            block = int(parts[1])
+            if "_exps" in parts[2] and n_expert:
+                experts[block] = experts.get(block, 0) + int(t.n_elements)
+                moe.add(block)
+                expert_type = expert_type or t.tensor_type.name
+            else:
+                rest[block] = rest.get(block, 0) + int(t.n_elements)
+        elif t.name == "output.weight":
+            head = int(t.n_elements)
+    tied = head == 0
+    if tied:
+        head = next(int(t.n_elements) for t in reader.tensors if t.name == "token_embd.weight")
+    if not moe:
+        if not draft:
+            raise ValueError(f"{path}: no MoE blocks (no ffn_*_exps tensors)")
+        return ModelProfile(key=f"gguf-draft:{Path(path).stem}", name=Path(path).stem, source=str(path), draft=True,
+                            n_block=n_block, d_model=d_model, block_params=max(rest.values()), head_params=head,
+                            kv_bytes_per_token=n_block * 2 * kv_heads * head_dim * 2, tie_embeddings=tied), "F16"
+    first, last = min(moe), max(moe)
+    dense = [rest[b] for b in rest if b not in moe]
+    profile = ModelProfile(
+        key=f"gguf:{Path(path).stem}", name=Path(path).stem, source=str(path), n_block=n_block, d_model=d_model,
+        block_params=max(rest[b] for b in moe), head_params=head, kv_bytes_per_token=n_block * 2 * kv_heads * head_dim * 2,
+        moe_blocks=(first, last), n_expert=n_expert, top_k=int(field(f"{arch}.expert_used_count")),
+        expert_params=experts[first] // n_expert, dense_block_params=max(dense) if dense else 0, tie_embeddings=tied)
+    quant = expert_type if expert_type in BITS_PER_WEIGHT else "F16"
+    if draft:
+        from dataclasses import replace
+
+        profile = replace(profile, key=f"gguf-draft:{Path(path).stem}", draft=True,
+                          block_params=profile.block_params + profile.top_k * profile.expert_params)
+    return profile, quant
+
+
+def register(profile: ModelProfile) -> str:
+    """Make a profile built at run time (e.g. `from_gguf`) known to `model` by its key."""
+    model_profiles()[profile.key] = profile
+    return profile.key

@@ -203,7 +203,7 @@ class Simulator:
         trace, c, cfg = self.trace, self.costs, self.config
         if policy.miss not in ("cpu", "fetch", "greedy"):
             raise ValueError(f"{policy.name}: unknown miss mode {policy.miss!r}")
-        if policy.uses_draft_routing and not trace.has_draft_routing:
+        if policy.uses_draft_routing and not trace.has_draft_routing and not policy.draft_optional:
             raise ValueError(f"{policy.name} needs the draft's routing; the trace has none (dense draft?)")
         n_steps = trace.n_steps if n_steps is None else min(n_steps, trace.n_steps)
         n_layer, n_expert = trace.n_layer, trace.n_expert
@@ -220,7 +220,7 @@ class Simulator:
             routing = trace.step(s)
             start = now
             draft_s = routing.n_drafted * c.draft_token_s
-            if policy.uses_draft_routing and routing.n_drafted:
+            if policy.uses_draft_routing and trace.has_draft_routing and routing.n_drafted:
                 drafted = trace.draft_step(s)
                 for j in range(routing.n_drafted):
                     at = start + (j + 1) * c.draft_token_s

@@ -220,16 +220,18 @@ class TraceWriter:
         if self.n_steps and (draft_selected is None) != (not self._draft):
             raise TraceError(f"step {step}: draft routing must be given for every step or for none")
         _check_ids(routing.selected, self.n_expert, f"step {step}: selected")
-        self._selected.append(np.asarray(routing.selected, dtype=EXPERT_DTYPE))
-        if routing.weights is not None:
-            if routing.weights.shape != shape:
-                raise TraceError(f"step {step}: weights has shape {routing.weights.shape}, expected {shape}")
-            self._weights.append(np.asarray(routing.weights, dtype=WEIGHT_DTYPE))
+        if routing.weights is not None and routing.weights.shape != shape:
+            raise TraceError(f"step {step}: weights has shape {routing.weights.shape}, expected {shape}")
         if draft_selected is not None:
             dshape = (routing.n_drafted, self.n_layer, self.top_k)
             if draft_selected.shape != dshape:
                 raise TraceError(f"step {step}: draft_selected has shape {draft_selected.shape}, expected {dshape}")
             _check_ids(draft_selected, self.n_expert, f"step {step}: draft_selected")
+        # all checked: a step is appended whole or not at all
+        self._selected.append(np.asarray(routing.selected, dtype=EXPERT_DTYPE))
+        if routing.weights is not None:
+            self._weights.append(np.asarray(routing.weights, dtype=WEIGHT_DTYPE))
+        if draft_selected is not None:
             self._draft.append(np.asarray(draft_selected, dtype=EXPERT_DTYPE))
         self._n_drafted.append(int(routing.n_drafted))
         self._n_accepted.append(int(routing.n_accepted))

@@ -1,0 +1,137 @@
+"""spac's default policy: a learned utility from the verify pass and the draft's own routing.
+
+Why not Algorithm 1 (seed 004) as written: its boundaries are floored integers calibrated
+towards |Δ|, and with γ+1 ≤ 17 verified tokens most Δ are 0 or ±1, so θ↑ and θ↓ sink to 1
+within a few steps (`spac sim accuracy` prints their mean): from then on any change moves the
+utility, the state machine only lags "used in the previous step", and it predicts the next
+step worse than that binary signal does.
+
+What the default uses instead, per (layer, expert), before each verify pass:
+
+    c   tokens of the last verify pass that chose it (0, 1, 2, 3+)       verify-pass frequency
+    r   an exponential average of "used" over past passes (4 buckets)    recency
+    w   its routing weight share in the last pass (high / low)           routing weight
+    d   tokens of the current draft that chose it (0, 1, 2, 3+)          the draft's lookahead
+
+The draft (the target's quantised self-draft, an MoE with the same experts) routes γ of the
+γ+1 tokens the next verify pass will route: its choices are a lookahead (MoE-SpeQ, seed 000)
+fused here with the verify-pass statistics of MoE-SpAc. Rather than fixing weights for these
+features, the utility is learned online: a table over the feature cells counts, step after
+step, how often an expert in that cell was used by the following verify pass, and the utility
+is that empirical probability p (Beta(1, 1) prior). No constant is tuned to a model or trace.
+
+Plan: want the `capacity` experts of highest p (global, not per layer: a layer whose routing is
+spread needs more slots), prefetch in p order, evict lowest p first. Copies are issued only as
+far as the link can finish them before the verify pass starts (measured copy and draft times
+from `Feedback`); each draft token refreshes d and the plan, so prefetch runs while the draft
+drafts. Misses follow the miss rule (default "greedy": a missing expert is copied in the pass
+when that finishes sooner than the host would, else computed on the host). Hot/cold for
+`spac sim accuracy`: hot ⇔ p ≥ 1/2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.plan import Plan, StepRouting
+from orchestrator.policies.base import Feedback, Policy, PolicyContext, layer_usage, order_rows, smallest_rows, top_scores
+
+N_C, N_R, N_W, N_D = 4, 4, 2, 4
+
+
+class LookaheadUtility(Policy):
+    name = "spac"
+    uses_draft_routing = True
+    draft_optional = True  # without the draft's routing (dense draft) d stays 0
+
+    def __init__(self, miss: str = "greedy", recency: float = 0.5, lookahead: bool = True,
+                 paced: bool = True) -> None:
+        self.miss, self.recency, self.lookahead, self.paced = miss, recency, lookahead, paced
+        self.uses_draft_routing = lookahead
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        shape = (ctx.n_layer, ctx.n_expert)
+        self.count = np.zeros(shape, dtype=np.int64)
+        self.avg = np.zeros(shape)
+        self.weight_high = np.zeros(shape, dtype=np.int64)
+        self.drafted = np.zeros(shape, dtype=np.int64)
+        self.used_table = np.ones(N_C * N_R * N_W * N_D)     # Beta(1, 1)
+        self.seen_table = np.full(N_C * N_R * N_W * N_D, 2.0)
+        self.p = np.zeros(shape)
+        self.t_io = self.t_draft = 0.0
+        self.gamma = ctx.gamma
+        self.link_free = 0.0  # when the copies issued so far finish, relative to the plan after the pass
+        self.elapsed = 0.0
+
+    # ---- the utility -------------------------------------------------------------------
+    def cells(self) -> np.ndarray:
+        r = np.minimum((self.avg * N_R).astype(np.int64), N_R - 1)
+        return (((np.minimum(self.count, N_C - 1) * N_R + r) * N_W + self.weight_high) * N_D
+                + np.minimum(self.drafted, N_D - 1))
+
+    def probability(self) -> np.ndarray:
+        return (self.used_table / self.seen_table)[self.cells()]
+
+    def hot(self) -> np.ndarray:
+        return self.p >= 0.5
+
+    @property
+    def utility(self) -> np.ndarray:
+        return self.p
+
+    def learn(self, used: np.ndarray) -> None:
+        """The verify pass that the current features predicted has run: count the outcome."""
+        cells = self.cells().ravel()
+        n = len(self.seen_table)
+        self.seen_table += np.bincount(cells, minlength=n)
+        self.used_table += np.bincount(cells, weights=used.ravel(), minlength=n)
+
+    def observe_pass(self, routing: StepRouting) -> None:
+        counts, weights = layer_usage(routing, self.ctx.n_expert)
+        used = counts > 0
+        self.learn(used)
+        share = weights / np.maximum(counts.sum(axis=1, keepdims=True), 1)  # mean weight per token
+        self.count = counts.astype(np.int64)
+        self.weight_high = (share * self.ctx.n_expert / self.ctx.top_k > 1.0).astype(np.int64)
+        self.avg = self.recency * self.avg + (1.0 - self.recency) * used
+        self.drafted[...] = 0
+
+    # ---- the plan ----------------------------------------------------------------------
+    def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
+        if feedback is not None:
+            self.t_io, self.t_draft = feedback.t_io_unit, feedback.t_draft_token
+        if routing is not None:
+            self.observe_pass(routing)
+            self.gamma = routing.n_drafted or self.gamma
+        self.link_free = self.elapsed = 0.0
+        return self._plan(resident, tokens_left=self.gamma)  # copies run while the draft drafts
+
+    def draft_plan(self, draft_selected: np.ndarray, resident: np.ndarray) -> Plan | None:
+        n = len(draft_selected)
+        last = draft_selected[-1].astype(np.intp)  # [n_layer, top_k]: the newest draft token
+        np.add.at(self.drafted, (np.arange(self.ctx.n_layer)[:, None], last), 1)
+        self.elapsed = n * self.t_draft
+        return self._plan(resident, tokens_left=max(self.gamma - n, 0))
+
+    def _plan(self, resident: np.ndarray, tokens_left: int) -> Plan:
+        self.p = self.probability()
+        score = self.p + 1e-3 * self.avg  # ties: the more recently used
+        wanted = top_scores(score, self.ctx.capacity)
+        prefetch = order_rows(-score, wanted & ~resident)
+        if self.paced and self.t_io > 0 and self.t_draft > 0:
+            # issue only what the link finishes before the verify pass starts
+            start = max(self.elapsed, self.link_free)
+            budget = int(max(tokens_left * self.t_draft - (start - self.elapsed), 0.0) // self.t_io)
+            prefetch = prefetch[:budget]
+            self.link_free = start + len(prefetch) * self.t_io
+        evict = order_rows(score, resident & ~wanted)
+        return Plan(utility=wanted.astype(np.uint8), threshold=np.ones(self.ctx.n_layer, dtype=np.int32),
+                    prefetch=prefetch, evict=evict)
+
+    def victims(self, allocated: np.ndarray, protected: np.ndarray, layer: int, n: int) -> np.ndarray:
+        """In-pass copies ("greedy"/"fetch"): give up a slot of a layer this pass has already
+        computed first (it can be copied back while the next draft drafts), lowest p first;
+        an expert of a layer still to come only after those (evicting it risks a miss now)."""
+        ahead = np.arange(self.ctx.n_layer)[:, None] > layer
+        return smallest_rows(self.p + 2.0 * ahead, self._victim_scope(allocated, protected, layer), n)

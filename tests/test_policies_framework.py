@@ -1,0 +1,61 @@
+"""The factored framework: every registered policy is the combination it claims, and each miss
+and split rule does what it says on hand-built cases (cost model of test_sim_costs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.policies import COMBINATIONS, DEFAULT, POLICIES, ZOO, make_policy
+from orchestrator.policies.base import PolicyContext
+from orchestrator.policies.default import LookaheadUtility
+from tests.test_sim_costs import run
+
+MISS = {"host": "cpu", "fetch": "fetch", "greedy": "greedy"}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_is_its_combination(name):
+    ranking, miss, window, split = COMBINATIONS[name]
+    policy = make_policy(name)
+    assert policy.miss == MISS[miss]
+    assert policy.uses_draft_routing == (window == "draft")
+    assert (policy.name == "moe-spac-paper") == (split == "tau")
+
+
+def test_zoo_computes_every_miss_on_the_host():
+    assert all(make_policy(n).miss == "cpu" for n in ZOO if n in POLICIES)
+    assert COMBINATIONS[DEFAULT][0] == "spac"
+
+
+def test_miss_rules_by_hand():
+    # 2 layers × 3 needed experts, pool of 2 slots, nothing resident before step 0:
+    # host: every miss on the host, nothing copied in the pass
+    host = run(LookaheadUtility(miss="cpu"), capacity=2, n_steps=1)
+    assert host.fetch_share == 0 and host.cpu_share == 1 and host.fetch_bytes == 0
+    # fetch: every miss copied and computed on the device
+    fetch = run(LookaheadUtility(miss="fetch"), capacity=2, n_steps=1)
+    assert fetch.cpu_share == 0 and fetch.fetch_share == 1
+    # greedy: copies only what lands before the host would finish (copy 5 ms + 1 vs host 10 ms):
+    # per layer the hottest expert is copied, the other two go to the host
+    greedy = run(LookaheadUtility(miss="greedy"), capacity=2, n_steps=1)
+    assert 0 < greedy.fetch_share < 1 and 0 < greedy.cpu_share < 1
+    assert greedy.step_time[0] < min(host.step_time[0], fetch.step_time[0])
+
+
+def test_split_rules_by_hand():
+    # layer: static keeps whole layers (4 slots hold layer 1), every expert of layer 0 on the host
+    static = make_policy("static")
+    static.reset(PolicyContext(n_layer=2, n_expert=4, top_k=2, capacity=4))
+    np.testing.assert_array_equal(static.plan(None, np.zeros((2, 4), bool)).wanted(), [[0] * 4, [1] * 4])
+    # tau: after each pass the plan wants exactly utility ≥ τ of each layer, τ per layer
+    policy = make_policy("moe-spac-paper")
+    r = run(policy, capacity=4, n_steps=2)
+    plan = policy.plan(None, np.zeros((2, 4), bool))
+    assert plan.threshold.shape == (2,) and ((1 <= plan.threshold) & (plan.threshold <= 4)).all()
+    np.testing.assert_array_equal(plan.wanted(), plan.utility >= plan.threshold[:, None])
+    # resident: the default wants its `capacity` most probable experts over all layers
+    d = LookaheadUtility()
+    d.reset(PolicyContext(n_layer=2, n_expert=4, top_k=2, capacity=3, gamma=1))
+    assert d.plan(None, np.zeros((2, 4), bool)).wanted().sum() == 3
+    assert r.step_time[1] > 0
