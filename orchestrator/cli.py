@@ -12,12 +12,11 @@ Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, -
 Without a draft, decoding is autoregressive. Bad input is one line on stderr and exit code 2;
 Ctrl-C is `stop: interrupted` and exit code 130.
 
-Other teams' command groups are mounted in `_mount_subcommands` (`spac sim`, `spac trace`).
+The `spac sim`, `spac trace` and `spac draft` groups come from their modules, mounted at the end.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -30,9 +29,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from orchestrator import drafts, record
 from orchestrator.llm import deferred_sigint
 from orchestrator.options import (EXIT_INTERRUPTED, Budget, RunOptions, default_models, fail, open_session,
                                   run_options, session_setup)
+from orchestrator.sim import cli as sim_cli
 
 __all__ = ["app", "default_models", "main", "parse_budget"]
 
@@ -392,23 +393,12 @@ def serve(
         fail(error)
 
 
-def _mount_subcommands() -> None:
-    """Command groups owned by other parts of spac, mounted when their module exists:
-    `spac sim ...`, `spac trace ...` (orchestrator.sim.cli) and `spac draft ...` (orchestrator.drafts)."""
-    for name, module, attr in (("sim", "orchestrator.sim.cli", "app"), ("trace", "orchestrator.sim.cli", "trace_app"),
-                               ("draft", "orchestrator.drafts", "app")):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name == module:
-                continue
-            raise
-        sub = getattr(mod, attr, None)
-        if sub is not None:
-            app.add_typer(sub, name=name)
-
-
-_mount_subcommands()
+# the command groups of other modules: the simulator's (a leaf: it never imports the session,
+# so the live `trace record` is added to its `trace` group here) and the draft tools
+sim_cli.trace_app.command("record")(record.record_cmd)
+app.add_typer(sim_cli.app, name="sim")
+app.add_typer(sim_cli.trace_app, name="trace")
+app.add_typer(drafts.app, name="draft")
 
 def main() -> None:
     """The `spac` entry point."""

@@ -1,16 +1,11 @@
-"""`spac sim` / `spac trace` sub-apps, mounted the way orchestrator.cli mounts them."""
+"""`spac sim` / `spac trace` sub-apps, as the main CLI mounts them (with the live `trace record`)."""
 
 from __future__ import annotations
 
-import typer
 from typer.testing import CliRunner
 
-from orchestrator.sim.cli import app as sim_app
-from orchestrator.sim.cli import trace_app
+from orchestrator.cli import app as spac
 
-spac = typer.Typer()
-spac.add_typer(sim_app, name="sim")
-spac.add_typer(trace_app, name="trace")
 runner = CliRunner()
 
 

@@ -10,7 +10,7 @@ from orchestrator.gguf_export import make_random_model, tiny_config
 from orchestrator.plan import StepRouting
 from orchestrator.policies import make_policy, observe
 from orchestrator.policies.base import PolicyContext
-from orchestrator.sim.cli import record_trace
+from orchestrator.record import record_cmd, record_trace
 from orchestrator.sim.simulator import SimConfig, Simulator
 
 speculative = pytest.importorskip("orchestrator.speculative")
@@ -96,14 +96,15 @@ def test_trace_record_command(live_run, tmp_path, monkeypatch):
     import typer
     from typer.testing import CliRunner
 
-    from orchestrator.sim.cli import trace_app
     from orchestrator.sim.trace import read_trace
 
     monkeypatch.setenv("SPAC_CACHE_DIR", str(tmp_path))  # calibration cache
     target = make_random_model(tmp_path / "target.gguf", CFG, seed=1)
     draft = make_random_model(tmp_path / "draft.gguf", CFG, seed=1, quant="q4_0")
     app = typer.Typer()
-    app.add_typer(trace_app, name="trace")
+    trace = typer.Typer()
+    trace.command("record")(record_cmd)
+    app.add_typer(trace, name="trace")
     out = tmp_path / "cli.npz"
     r = CliRunner().invoke(app, ["trace", "record", str(out), "--prompt", "hello there", "--prompt", "abc",
                                  "-m", str(target), "-md", str(draft), "--draft-max", "4", "-n", "16",

@@ -20,7 +20,6 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from orchestrator.options import RunOptions, run_options
 from orchestrator.policies import POLICIES
 from orchestrator.sim import profiles
 from orchestrator.sim.simulator import SimConfig, SimResult
@@ -29,7 +28,8 @@ from orchestrator.sim.trace import Trace, TraceError, read_trace
 
 app = typer.Typer(help="Trace-driven simulation of expert caching policies (tables and PNG plots).",
                   no_args_is_help=True)
-trace_app = typer.Typer(help="Routing traces: record, synthesise, inspect.", no_args_is_help=True)
+trace_app = typer.Typer(help="Routing traces: record (mounted by the main CLI), synthesise, inspect.",
+                        no_args_is_help=True)
 console = Console(width=220)
 err_console = Console(stderr=True, highlight=False)
 
@@ -167,7 +167,7 @@ def _write(out: Optional[Path], stem: str, payload, draw) -> None:
 
 
 @contextmanager
-def _working(what: str):
+def working(what: str):
     """A spinner with elapsed time on stderr while long work runs (stdout keeps the tables)."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
@@ -202,7 +202,7 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
     from orchestrator.sim.limit import limit
 
     names = _names(policy)
-    with _working(f"simulating {len(names)} policies on {t.n_steps} steps"):
+    with working(f"simulating {len(names)} policies on {t.n_steps} steps"):
         results, skipped = compare(t, config, names)
     setting = _setting(t, config)
     bound = limit(t, results[0].capacity, config.costs()) if results else None
@@ -234,7 +234,7 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     rs = _ratios(ratios)
     config = _config(hardware, model, draft, rs[0], visibility, gguf_quant or quant, t)
-    with _working(f"sweeping {len(rs)} cache ratios"):
+    with working(f"sweeping {len(rs)} cache ratios"):
         sweep = sweep_cache_ratio(t, config, _names(policy), rs)
     rows = [{"policy": name, **{f"{100 * r:.0f}%": (np.nan if x is None else x.tokens_per_s) for r, x in zip(rs, res)}}
             for name, res in sweep.items()]
@@ -256,7 +256,7 @@ def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: i
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     ks = list(range(1, k_max + 1))
-    with _working(f"sweeping K = 1..{k_max}"):
+    with working(f"sweeping K = 1..{k_max}"):
         results = sweep_k(t, config, ks)
     rows = [{"K": k, **r.row()} for k, r in zip(ks, results)]
     for row in rows:
@@ -279,7 +279,7 @@ def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
     if trace is None:
         ar = _trace(None, t.n_generated, seed, 0, acceptance, model)[0]
     config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
-    with _working("simulating the ablations"):
+    with working("simulating the ablations"):
         rows = [{"variant": label, **r.row()} for label, r in ablation(t, config, ar)]
     for row in rows:
         row.pop("policy")
@@ -359,68 +359,6 @@ def report_cmd(steps: int = StepsOpt, seed: int = SeedOpt, hardware: str = Hardw
     ablation_cmd(**common, cache_ratio=cache_ratio, out=out)
     accuracy_cmd(trace=None, steps=steps, seed=seed, gamma=8, acceptance=0.75, model="qwen3-30b-a3b", gguf=None,
                  tau=1, k_max=4)
-
-
-def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None = None) -> Trace:
-    """Generate greedily from each prompt on an open `orchestrator.speculative.Session` (expert
-    engine on: it exports the routing) and write every verification step to `out`."""
-    from orchestrator.plan import StepRouting
-    from orchestrator.sim.trace import TraceWriter
-    from orchestrator.sampling import SamplingParams
-
-    engine = session.engine
-    if engine is None:
-        raise ValueError("recording needs the expert engine (routing export): " + (session.engine_note or "engine off"))
-    writer = TraceWriter(out, n_layer=engine.n_moe_layers, n_expert=engine.n_expert, top_k=engine.n_expert_used,
-                         model=Path(str(session.target.path)).stem,
-                         meta={"gamma": session.gamma, "mode": session.mode, "prompts": len(prompts),
-                               "gguf": str(Path(str(session.target.path)).resolve()),
-                               "draft_gguf": None if session.draft is None else str(Path(str(session.draft.path)).resolve()),
-                               "max_tokens": max_tokens, **(meta or {})})
-    def append(step: StepRouting) -> None:  # with the draft's routing when the draft is an MoE
-        writer.append(step, session.last_draft_routing)
-
-    previous, session.on_step = session.on_step, append
-    try:
-        for prompt in prompts:
-            session.complete(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
-    finally:
-        session.on_step = previous
-        writer.close()
-    return read_trace(out)
-
-
-@trace_app.command("record")
-@run_options("model")
-def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"),
-               prompt: Optional[List[str]] = typer.Option(None, "--prompt", help="prompt text (repeatable)"),
-               prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="one prompt per line"),
-               n_predict: int = typer.Option(128, "-n", "--n-predict", help="tokens per prompt"),
-               *, opts: RunOptions) -> None:
-    """Record the routing of a live run (greedy, expert engine on): per verification step the
-    draft length, accepted count and the experts and weights of every verified token. The model
-    flags are generate's; without a GPU the pool (which exports the routing) is the CPU test device."""
-    from dataclasses import replace
-
-    from orchestrator.options import open_session
-    from orchestrator.placement import first_gpu
-
-    texts = list(prompt or [])
-    if prompts_file is not None:
-        texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
-    if not texts:
-        raise typer.BadParameter("give --prompt or --prompts-file", param_hint="--prompt")
-    if opts.device is None and first_gpu() is None:
-        opts = replace(opts, device="CPU")
-    session, _ = open_session(replace(opts, engine=True))
-    try:
-        with _working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), session:
-            t = record_trace(session, out, texts, n_predict)
-    except (ValueError, OSError, RuntimeError) as e:
-        console.print(f"[red]spac trace record: {e}[/red]")
-        raise typer.Exit(code=2) from None
-    console.print(f"wrote {out}: {t.n_steps} steps, {t.n_generated} tokens, {t.n_layer} MoE layers, "
-                  f"{t.n_expert} experts, top-{t.top_k}")
 
 
 @trace_app.command("synth")
