@@ -21,7 +21,8 @@ import numpy as np
 
 from orchestrator.cli import default_models
 from orchestrator.sampling import SamplingParams
-from orchestrator.speculative import Ablations, Session, SessionConfig
+from orchestrator.policies.spac import Ablations
+from orchestrator.speculative import Session, SessionConfig
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:",

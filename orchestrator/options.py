@@ -31,11 +31,13 @@ import re
 import secrets
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from orchestrator.policies.spac import Ablations
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
@@ -168,14 +170,9 @@ OPTIONS: dict[str, _Opt] = {
     "top_p": _Opt("sampling", float, 0.95, typer.Option("--top-p", help="top-p, 1 = off")),
     "seed": _Opt("sampling", int, -1, typer.Option("--seed", help="RNG seed, -1 = random (the seed used is reported)")),
     "stop": _Opt("sampling", Optional[list[str]], None, typer.Option("--stop", help="stop string (repeatable)")),
-    "no_utility": _Opt("ablations", bool, False, typer.Option("--no-utility", help="ablation: binary utility (K = 1)")),
-    "no_adabc": _Opt("ablations", bool, False, typer.Option("--no-adabc", help="ablation: fixed boundaries θ↑=3, θ↓=1")),
-    "no_balancer": _Opt("ablations", bool, False, typer.Option("--no-balancer", help="ablation: fixed τ = 2")),
-    "no_prefetch": _Opt("ablations", bool, False, typer.Option("--no-prefetch", help="ablation: static expert placement")),
-    "no_evict": _Opt("ablations", bool, False, typer.Option(
-        "--no-evict", help="ablation: keep experts until the pool is full")),
-    "no_sd": _Opt("ablations", bool, False, typer.Option(
-        "--no-sd", help="ablation: autoregressive decoding on the same engine")),
+    **{f.name: _Opt("ablations", bool, False, typer.Option("--" + f.name.replace("_", "-"),
+                                                            help="ablation: " + f.metadata["help"]))
+       for f in fields(Ablations)},
 }
 
 
@@ -244,8 +241,6 @@ class RunOptions:
         return SamplingParams(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     def ablation_switches(self):
-        from orchestrator.speculative import Ablations
-
         return Ablations(**{n: True for n in self.ablations})
 
 

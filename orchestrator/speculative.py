@@ -38,27 +38,12 @@ from orchestrator.metrics import RunMetrics, RunRecorder
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
-from orchestrator.policies.spac import MoESpAc
+from orchestrator.policies.spac import Ablations, MoESpAc
 from orchestrator.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
 from orchestrator.text import ChatTemplate, TextStream, check_vocab
 
 
 # ----------------------------------------------------------------------------- policy
-
-@dataclass(frozen=True)
-class Ablations:
-    """Paper Table 4 switches."""
-
-    no_utility: bool = False   # binary utility, K = 1
-    no_adabc: bool = False     # fixed θ↑ = 3, θ↓ = 1
-    no_balancer: bool = False  # fixed τ = 2
-    no_prefetch: bool = False  # static expert allocation: one plan, never updated
-    no_evict: bool = False     # keep experts until the pool is full
-    no_sd: bool = False        # autoregressive decoding on the same engine
-
-    def names(self) -> list[str]:
-        return [k for k, v in self.__dict__.items() if v]
-
 
 def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Policy:
     """The default policy: spac's learned utility with the draft's lookahead (`policies.default`;
@@ -66,9 +51,7 @@ def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Polic
     MoE-SpAc as written (estimator + balancer), with that switch."""
     if not (set(ablations.names()) - {"no_sd"}):
         return LookaheadUtility(miss="cpu")
-    return MoESpAc(k_max=k_max, lam=lam, no_utility=ablations.no_utility, no_adabc=ablations.no_adabc,
-                   no_balancer=ablations.no_balancer, no_prefetch=ablations.no_prefetch,
-                   no_evict=ablations.no_evict)
+    return MoESpAc(k_max=k_max, lam=lam, **ablations.policy_flags())
 
 
 # ----------------------------------------------------------------------------- session

@@ -18,7 +18,8 @@ from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model
 from orchestrator.llm import Context, Model
 from orchestrator.native import engine_built
 from orchestrator.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
-from orchestrator.speculative import Ablations, Session, SessionConfig
+from orchestrator.policies.spac import Ablations
+from orchestrator.speculative import Session, SessionConfig
 from orchestrator.text import ChatTemplate, TextStream, VocabMismatchError, check_vocab
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)

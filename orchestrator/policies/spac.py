@@ -21,12 +21,40 @@ the most used experts of the first step, up to each layer's share, never updated
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
+
 import numpy as np
 
 from orchestrator.balancer import FIXED_THRESHOLD, UnitCosts, WorkloadBalancer
 from orchestrator.estimator import UtilityEstimator
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, top_scores
+
+
+def _switch(label: str, help: str):
+    return field(default=False, metadata={"label": label, "help": help})
+
+
+@dataclass(frozen=True)
+class Ablations:
+    """The paper's Table 4 switches, defined once: each field's metadata gives the row label of
+    the simulator's ablation table and the help of the CLI flag (`--no-utility`, ...). All but
+    `no_sd` are MoESpAc constructor flags; `no_sd` is a decoding switch (in the simulator, a
+    trace property: replay an autoregressive trace)."""
+
+    no_utility: bool = _switch("w/o SpecUE", "binary utility (K = 1)")
+    no_adabc: bool = _switch("w/o AdaBC", "fixed boundaries θ↑=3, θ↓=1")
+    no_balancer: bool = _switch("w/o HetWB", "fixed τ = 2")
+    no_prefetch: bool = _switch("w/o SG-Prefetcher", "static expert placement")
+    no_evict: bool = _switch("w/o SG-Evictor", "keep experts until the pool is full")
+    no_sd: bool = _switch("w/o SD", "autoregressive decoding on the same engine")
+
+    def names(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name)]
+
+    def policy_flags(self) -> dict[str, bool]:
+        """The MoESpAc constructor flags (every switch but no_sd)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "no_sd"}
 
 
 class MoESpAc(Policy):

@@ -10,23 +10,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 from orchestrator.estimator import UtilityEstimator
 from orchestrator.policies import POLICIES, make_policy
+from orchestrator.policies.spac import Ablations
 from orchestrator.sim.simulator import SimConfig, SimResult, Simulator
 from orchestrator.sim.trace import Trace
 
-ABLATIONS = {
-    "MoE-SpAc": {},
-    "w/o SpecUE": dict(no_utility=True),
-    "w/o AdaBC": dict(no_adabc=True),
-    "w/o HetWB": dict(no_balancer=True),
-    "w/o SG-Prefetcher": dict(no_prefetch=True),
-    "w/o SG-Evictor": dict(no_evict=True),
-}
+# Table 4's rows: MoE-SpAc, then each policy switch alone ("w/o SD" is a trace property)
+ABLATIONS = {"MoE-SpAc": {}, **{f.metadata["label"]: {f.name: True} for f in fields(Ablations) if f.name != "no_sd"}}
 
 
 @dataclass
