@@ -25,6 +25,11 @@ _ERR_LEN = 512
 _UINT8, _INT32 = np.dtype(np.uint8), np.dtype(np.int32)
 
 
+# the pool's share of all expert bytes when no budget is given: the C API's default too
+# (spac_engine_default_params; tests/test_engine.py holds the two equal)
+DEFAULT_BUDGET_RATIO = 0.25
+
+
 class SpacEngineParams(ctypes.Structure):
     _fields_ = [
         ("model_path", c_char_p),
@@ -200,7 +205,7 @@ class ExpertEngine:
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
-                 budget_ratio: float = 0.25, max_split_tokens: int = 64, no_evict: bool = False,
+                 budget_ratio: float = DEFAULT_BUDGET_RATIO, max_split_tokens: int = 64, no_evict: bool = False,
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
                  skip_absent: bool = False, only_half: str | None = None):
         self._ctx = _ctx_ptr(ctx)

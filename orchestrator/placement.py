@@ -18,10 +18,11 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchestrator.native import DEFAULT_BUDGET_RATIO
 from orchestrator.options import Budget
 
 MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
-CPU_RATIO = 0.25       # pool size on the CPU test device when no --expert-budget is given
+CPU_RATIO = DEFAULT_BUDGET_RATIO  # pool size on the CPU test device when no --expert-budget is given
 _EXPERT_TENSOR = "_exps."  # ffn_{up,gate,down,gate_up}_exps: the routed experts
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from orchestrator.llm import USE_EXTRA_BUFTS, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
+from orchestrator.native import DEFAULT_BUDGET_RATIO
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
@@ -72,7 +73,7 @@ class SessionConfig:
     engine: bool | None = None   # None: on when the native engine is built, else off
     device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
     budget_bytes: int = 0
-    budget_ratio: float = 0.25
+    budget_ratio: float = DEFAULT_BUDGET_RATIO
     ablations: Ablations = field(default_factory=Ablations)
     recalibrate: bool = False
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()

@@ -315,3 +315,9 @@ def test_split_is_bit_identical_on_shipped_models(name, threads):
     finally:
         ctx.close()
         model.close()
+
+
+def test_python_budget_default_is_the_c_default():
+    from orchestrator.native import DEFAULT_BUDGET_RATIO, lib
+
+    assert lib()["default_params"]().budget_ratio == pytest.approx(DEFAULT_BUDGET_RATIO)
