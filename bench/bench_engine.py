@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -27,9 +26,8 @@ from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model
 from orchestrator.llm import Context, Model
 from orchestrator.native import ExpertEngine, Routing
 from orchestrator.plan import Plan
+from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from make_synthetic_moe import PRESETS, synthetic_tensors  # noqa: E402
 
 VERIFY = [11, 22, 33, 44, 55, 66, 77, 88, 99]  # a γ = 8 verify batch
 

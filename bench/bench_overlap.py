@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -34,15 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from make_synthetic_moe import PRESETS, synthetic_tensors  # noqa: E402
 
-from orchestrator.balancer import UnitCosts, WorkloadStats, solve_threshold  # noqa: E402
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf  # noqa: E402
-from orchestrator.llm import Context, Model  # noqa: E402
-from orchestrator.native import ExpertEngine, Routing, rpc_device  # noqa: E402
-from orchestrator.plan import Plan  # noqa: E402
+from orchestrator.balancer import UnitCosts, WorkloadStats, solve_threshold
+from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.llm import Context, Model
+from orchestrator.native import ExpertEngine, Routing, rpc_device
+from orchestrator.plan import Plan
+from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
 VERIFY = [11, 22, 33, 44, 55, 66, 77, 88, 99]  # γ = 8: a verify batch of 9 tokens
 K = 8
@@ -179,7 +176,7 @@ def main() -> None:
         print(f"  overlapped / serial              {ms['overlapped'] / ms['serial (per-matmul graph)']:.3f}")
 
         # sweep of fixed splits, each half alone at every τ for the unit costs
-        print(f"\nsweep (overlapped, ms): τ, share of activations on the device, pass, host half alone, device half alone")
+        print("\nsweep (overlapped, ms): τ, share of activations on the device, pass, host half alone, device half alone")
         sweep = {}
         host_pts, dev_pts = [], []
         for t in range(1, K + 2):

@@ -67,7 +67,7 @@ def main() -> None:
     else:
         target, draft = default_models()
         if target is None:
-            sys.exit("no default models (models/MANIFEST.json): pass -m/-md or --random")
+            sys.exit("no default models (orchestrator/models/MANIFEST.json): pass -m/-md or --random")
     if draft is None:
         sys.exit("a draft model is needed (-md)")
 

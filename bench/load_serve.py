@@ -42,7 +42,6 @@ def free_port() -> int:
 
 
 def default_serve_args() -> list[str]:
-    sys.path.insert(0, str(ROOT))
     from orchestrator.native import engine_built
 
     engine = ["--engine", "--device", "CPU", "--expert-budget", "50%"] if engine_built() else ["--no-engine"]

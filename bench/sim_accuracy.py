@@ -9,14 +9,12 @@ Target (issue 11): spac's accuracy ≥ previous step's + 0.03 on every family. P
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.sim.experiments import hot_cold_accuracy  # noqa: E402
-from orchestrator.sim.synthetic import FAMILIES, family_trace  # noqa: E402
-from orchestrator.sim.trace import read_trace  # noqa: E402
+from orchestrator.sim.experiments import hot_cold_accuracy
+from orchestrator.sim.synthetic import FAMILIES, family_trace
+from orchestrator.sim.trace import read_trace
 
 
 def row(label, acceptance, gamma, trace) -> str:

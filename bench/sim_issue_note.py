@@ -9,16 +9,13 @@ Prints a Markdown table (a few minutes: the on-demand-fetch baselines evict one 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.policies import POLICIES  # noqa: E402
-from orchestrator.sim.experiments import compare, hot_cold_accuracy  # noqa: E402
-from orchestrator.sim.simulator import SimConfig  # noqa: E402
-from orchestrator.sim.synthetic import synthesize_trace  # noqa: E402
+from orchestrator.policies import POLICIES
+from orchestrator.sim.experiments import compare, hot_cold_accuracy
+from orchestrator.sim.simulator import SimConfig
+from orchestrator.sim.synthetic import synthesize_trace
 
 
 def main() -> None:

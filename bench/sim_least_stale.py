@@ -34,12 +34,9 @@ better. Under the pass model of our engine the two coincide.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.sim.synthetic import FAMILIES, family_trace  # noqa: E402
+from orchestrator.sim.synthetic import FAMILIES, family_trace
 
 
 def hit_rate(trace, capacity: int, policy: str, access: str) -> float:

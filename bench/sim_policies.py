@@ -20,19 +20,16 @@ time (the tokens/s it prints are simulated, not measured).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.policies import DEFAULT, POLICIES, make_policy  # noqa: E402
-from orchestrator.sim import profiles  # noqa: E402
-from orchestrator.sim.limit import limit  # noqa: E402
-from orchestrator.sim.simulator import SimConfig, Simulator  # noqa: E402
-from orchestrator.sim.synthetic import FAMILIES, family_trace  # noqa: E402
-from orchestrator.sim.trace import read_trace  # noqa: E402
+from orchestrator.policies import DEFAULT, POLICIES, make_policy
+from orchestrator.sim import profiles
+from orchestrator.sim.limit import limit
+from orchestrator.sim.simulator import SimConfig, Simulator
+from orchestrator.sim.synthetic import FAMILIES, family_trace
+from orchestrator.sim.trace import read_trace
 
 HARDWARE = {"rtx4090": "qwen3-4b", "rtx4060": "qwen3-0.6b"}
 RATIOS = (0.10, 0.17, 0.30)

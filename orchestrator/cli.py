@@ -7,7 +7,7 @@
 
 Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
 ...); the block shared by generate, chat and calibrate (and serve) is declared once in
-`orchestrator.options`. With no -m, the shipped default models (models/MANIFEST.json) are used;
+`orchestrator.options`. With no -m, the shipped default models (orchestrator/models/MANIFEST.json) are used;
 -m naming the shipped target (or a copy of it) without -md takes the shipped default draft.
 Without a draft, decoding is autoregressive. Bad input is one line on stderr and exit code 2;
 Ctrl-C is `stop: interrupted` and exit code 130.

@@ -139,7 +139,7 @@ class _Opt:
 # one declaration per knob: name → group, type, default, flags and help (llama.cpp's names)
 OPTIONS: dict[str, _Opt] = {
     "model": _Opt("model", Optional[Path], None, typer.Option(
-        "-m", "--model", help="target MoE GGUF \\[default: the shipped model, models/MANIFEST.json]", show_default=False)),
+        "-m", "--model", help="target MoE GGUF \\[default: the shipped model, orchestrator/models/MANIFEST.json]", show_default=False)),
     "model_draft": _Opt("model", Optional[Path], None, typer.Option(
         "-md", "--model-draft", help="draft GGUF (same vocabulary) \\[default: the shipped draft of the shipped target]",
         show_default=False)),
@@ -316,7 +316,7 @@ def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
     note = ""
     if model is None:
         if shipped_target is None:
-            fail("no model given (-m) and no shipped default models (models/MANIFEST.json is missing)")
+            fail("no model given (-m) and no shipped default models (orchestrator/models/MANIFEST.json is missing)")
         model = shipped_target
         draft = draft or shipped_draft
     elif draft is None:

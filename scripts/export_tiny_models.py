@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.gguf_export import (  # noqa: E402
+from orchestrator.gguf_export import (
     ModelConfig,
     Tokenizer,
     quantize_gguf,

@@ -4,11 +4,7 @@
     python scripts/make_draft.py hot-experts target.gguf draft-hot8.gguf --profile usage.npy --keep 8
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.drafts import app  # noqa: E402
+from orchestrator.drafts import app
 
 if __name__ == "__main__":
     app()

@@ -6,13 +6,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.gguf_export import make_random_model, tiny_config  # noqa: E402
+from orchestrator.gguf_export import make_random_model, tiny_config
 
 app = typer.Typer(add_completion=False)
 

@@ -19,59 +19,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.gguf_export import (  # noqa: E402
-    ModelConfig,
-    byte_level_bpe_tokenizer,
-    tensor_shapes,
-    write_gguf,
-)
-
-# Dimensions from the models' published configs.
-PRESETS: dict[str, ModelConfig] = {
-    "olmoe-1b-7b": ModelConfig(
-        arch="olmoe", n_vocab=50304, n_embd=2048, n_layer=16, n_head=16, n_head_kv=16, head_dim=128,
-        n_ff=1024, n_expert=64, n_expert_used=8, n_ff_exp=1024, n_ctx_train=4096, rope_freq_base=10000.0,
-        rms_norm_eps=1e-5, name="synthetic-OLMoE-1B-7B"),
-    "qwen3-30b-a3b": ModelConfig(
-        arch="qwen3moe", n_vocab=151936, n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
-        n_ff=6144, n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=40960, rope_freq_base=1e6,
-        rms_norm_eps=1e-6, name="synthetic-Qwen3-30B-A3B"),
-}
-
-Q4_0_BLOCK = 32
-NIBBLE_STD = float(np.sqrt(((np.arange(16) - 8.0) ** 2).mean()))  # std of (q - 8), q uniform in 0..15
-
-
-def random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
-    """Raw Q4_0 blocks (f16 scale + 16 bytes of nibbles) for a float tensor of `shape`."""
-    rows, n = int(np.prod(shape[:-1])), shape[-1]
-    blocks = np.empty((rows, n // Q4_0_BLOCK, 18), dtype=np.uint8)
-    blocks[:, :, :2] = np.frombuffer(np.float16(std / NIBBLE_STD).tobytes(), dtype=np.uint8)
-    blocks[:, :, 2:] = rng.integers(0, 256, size=(rows, n // Q4_0_BLOCK, 16), dtype=np.uint8)
-    return blocks.reshape(*shape[:-1], n // Q4_0_BLOCK * 18)
-
-
-def synthetic_tensors(cfg: ModelConfig, seed: int) -> dict:
-    def make(name: str, shape: tuple[int, ...], i: int):
-        def f():
-            if len(shape) == 1:
-                return np.ones(shape, np.float32)
-            rng = np.random.default_rng([seed, i])
-            return random_q4_0(shape, shape[-1] ** -0.5 if "token_embd" not in name else 1.0, rng)
-        return f
-    return {n: make(n, s, i) for i, (n, s) in enumerate(tensor_shapes(cfg).items())}
+from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
 
 def check(path: Path, n_tokens: int = 16) -> dict:
     """Load in a fresh process, generate greedily, report load/generation time and peak RSS."""
     code = f"""
-import json, resource, sys, time
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+import json, resource, time
 from orchestrator.models import load_llama
 t = time.time(); llm = load_llama({str(path)!r}, n_ctx=128, n_threads=2); t_load = time.time() - t
 toks = llm.tokenize(b"def main():")

@@ -1,4 +1,4 @@
-"""Copy the trained tiny models into models/ and write models/MANIFEST.json.
+"""Copy the trained tiny models into orchestrator/models/ (package data) and write its MANIFEST.json.
 
     python scripts/ship_tiny_models.py --run runs/tiny
 
@@ -13,13 +13,11 @@ import argparse
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.models import MODELS_DIR, sha256_file  # noqa: E402
+from orchestrator.models import MODELS_DIR, sha256_file
 
-SHIPPED = {  # file in <run>/gguf -> (file in models/, role, description)
+SHIPPED = {  # file in <run>/gguf -> (file in orchestrator/models/, role, description)
     "target-f16.gguf": ("spac-tiny-moe-f16.gguf", "target",
                         "qwen3moe target, 6 layers, d 256, 32 experts of ff 64, top-4, F16"),
     "target-q4_0.gguf": ("spac-tiny-moe-q4_0.gguf", "draft-quantized",

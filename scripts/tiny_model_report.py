@@ -18,19 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_tiny_moe import LM, eval_windows  # noqa: E402
+from train_tiny_moe import LM, eval_windows
 
-from orchestrator import models  # noqa: E402
-from orchestrator.gguf_export import hot_experts, slice_experts  # noqa: E402
+from orchestrator import models
+from orchestrator.gguf_export import hot_experts, slice_experts
 
 
 def load_torch(path: Path) -> LM:

@@ -19,15 +19,13 @@ import numpy as np
 import psutil
 import pytest
 
-from orchestrator.models import default_model, sha256_file
+from orchestrator.models import MODELS_DIR, default_model, sha256_file
 from orchestrator.native import engine_built
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET = ROOT / "models" / "spac-tiny-moe-f16.gguf"
-DENSE = ROOT / "models" / "spac-tiny-dense-draft-f16.gguf"
+TARGET = default_model("target")
+DENSE = MODELS_DIR / "spac-tiny-dense-draft-f16.gguf"
 FAST = ["-t", "1", "-n", "4"]
-
-pytestmark = pytest.mark.skipif(not TARGET.exists(), reason="no shipped models")
 
 
 @pytest.fixture(autouse=True)
@@ -103,11 +101,7 @@ def test_draft_missing_or_corrupt_source(tmp_path):
 # ----------------------------------------------------------------------------- Python 3.10
 
 def test_build_script_reads_its_lock_without_tomllib():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import build_native
-    finally:
-        sys.path.pop(0)
+    import build_native  # scripts/ is on pytest's pythonpath
     lock = build_native.read_lock()
     assert lock["version"] and len(lock["sha256"]) == 64
     if sys.version_info >= (3, 11):
@@ -203,7 +197,7 @@ def test_help_keeps_its_defaults():
     res = spac("generate", "--help")
     assert res.returncode == 0
     text = " ".join(res.out.split())
-    assert "[default: the shipped model, models/MANIFEST.json]" in text.replace("│ ", "")
+    assert "[default: the shipped model, orchestrator/models/MANIFEST.json]" in text.replace("│ ", "")
     assert "--spec-draft-n-max" in text and "--draft-max" in text
     assert "[default: on when built" in text.replace("│ ", "")
 

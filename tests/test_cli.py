@@ -160,7 +160,6 @@ def test_no_model_arguments_use_the_manifest(models, tmp_path, monkeypatch):
     assert r.exit_code == 2 and "no shipped default models" in r.stderr
 
 
-@pytest.mark.skipif(not (ROOT / "models" / "MANIFEST.json").exists(), reason="no embedded default models yet")
 def test_generate_with_no_model_arguments():
     r = runner.invoke(app, ["generate", "def fibonacci(n):", "-n", "8", "--json", "-t", "1"])
     assert r.exit_code == 0, r.output

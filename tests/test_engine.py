@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import sys
-from pathlib import Path
 
 import numpy as np
 import psutil
@@ -17,13 +15,13 @@ import pytest
 
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
 from orchestrator.llm import Context, Model
+from orchestrator.models import MODELS_DIR
 from orchestrator.native import ExpertEngine, NativeError, Routing, ggml_library
 from orchestrator.plan import Plan
+from orchestrator.synthetic_models import synthetic_tensors
 
 from engine_common import PROMPT, model_config, run_sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from make_synthetic_moe import synthetic_tensors  # noqa: E402
 
 K_MAX = 4
 
@@ -298,9 +296,7 @@ SHIPPED = ["spac-tiny-moe-f16.gguf", "spac-tiny-moe-q4_0.gguf"]
 @pytest.mark.parametrize("threads", [1, 2])
 def test_split_is_bit_identical_on_shipped_models(name, threads):
     """The embedded trained target and its Q4_0 self-draft (both qwen3moe)."""
-    from conftest import ROOT
-
-    path = ROOT / "models" / name
+    path = MODELS_DIR / name
     model = Model(path, use_extra_bufts=False)
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=threads)
     try:

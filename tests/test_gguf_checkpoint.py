@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+# scripts/ is on pytest's pythonpath (pyproject.toml)
 from export_tiny_models import load_checkpoint  # noqa: E402
 from train_tiny_moe import LM  # noqa: E402
 

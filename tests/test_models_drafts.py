@@ -22,10 +22,9 @@ from orchestrator.gguf_export import (
     write_gguf,
     byte_level_bpe_tokenizer,
 )
+from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from make_synthetic_moe import PRESETS, synthetic_tensors  # noqa: E402
 
 needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not built")
 TEXT = b"def forward(self, x):\n    return self.down(x)"

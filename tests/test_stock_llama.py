@@ -17,10 +17,9 @@ import pytest
 
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, read_config, write_gguf
 from orchestrator.models import MODELS_DIR, load_llama
+from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from make_synthetic_moe import PRESETS, synthetic_tensors  # noqa: E402
 
 PROMPT = "def fibonacci(n):"
 N_PREDICT = 16

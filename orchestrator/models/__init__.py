@@ -1,9 +1,10 @@
-"""spac's shipped default models (`models/` in the repository) and how to open a GGUF in llama.cpp.
+"""spac's shipped default models (this package's data: the GGUF files and MANIFEST.json beside
+this module, installed with the package) and how to open a GGUF in llama.cpp.
 
     from orchestrator.models import default_model, load_llama
     llm = load_llama(default_model("target"), n_ctx=256)
 
-`models/MANIFEST.json` lists every shipped file with its sha256, role and measured numbers.
+`MANIFEST.json` lists every shipped file with its sha256, role and measured numbers.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from importlib import resources
 from pathlib import Path
 
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+# package data: a real directory in a regular and in an editable install alike
+MODELS_DIR = Path(str(resources.files(__name__)))
 GGML_TYPE_F32 = 0
 
 

@@ -1,0 +1,49 @@
+"""Shape-faithful synthetic MoE models for scale tests: the real dimensions of named models
+(`PRESETS`) with random Q4_0 weights, produced tensor by tensor (`synthetic_tensors` returns
+one loader per tensor for `gguf_export.write_gguf`, so the whole model is never in RAM).
+
+Weights are random 4-bit blocks (uniform nibbles, per-block scale giving std 1/sqrt(fan_in)),
+norms are ones: the numbers mean nothing, the shapes, sizes and kernels are the real ones.
+`scripts/make_synthetic_moe.py` writes them as files.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from orchestrator.gguf_export import ModelConfig, tensor_shapes
+
+# Dimensions from the models' published configs.
+PRESETS: dict[str, ModelConfig] = {
+    "olmoe-1b-7b": ModelConfig(
+        arch="olmoe", n_vocab=50304, n_embd=2048, n_layer=16, n_head=16, n_head_kv=16, head_dim=128,
+        n_ff=1024, n_expert=64, n_expert_used=8, n_ff_exp=1024, n_ctx_train=4096, rope_freq_base=10000.0,
+        rms_norm_eps=1e-5, name="synthetic-OLMoE-1B-7B"),
+    "qwen3-30b-a3b": ModelConfig(
+        arch="qwen3moe", n_vocab=151936, n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, head_dim=128,
+        n_ff=6144, n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=40960, rope_freq_base=1e6,
+        rms_norm_eps=1e-6, name="synthetic-Qwen3-30B-A3B"),
+}
+
+Q4_0_BLOCK = 32
+NIBBLE_STD = float(np.sqrt(((np.arange(16) - 8.0) ** 2).mean()))  # std of (q - 8), q uniform in 0..15
+
+
+def random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
+    """Raw Q4_0 blocks (f16 scale + 16 bytes of nibbles) for a float tensor of `shape`."""
+    rows, n = int(np.prod(shape[:-1])), shape[-1]
+    blocks = np.empty((rows, n // Q4_0_BLOCK, 18), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(std / NIBBLE_STD).tobytes(), dtype=np.uint8)
+    blocks[:, :, 2:] = rng.integers(0, 256, size=(rows, n // Q4_0_BLOCK, 16), dtype=np.uint8)
+    return blocks.reshape(*shape[:-1], n // Q4_0_BLOCK * 18)
+
+
+def synthetic_tensors(cfg: ModelConfig, seed: int) -> dict:
+    def make(name: str, shape: tuple[int, ...], i: int):
+        def f():
+            if len(shape) == 1:
+                return np.ones(shape, np.float32)
+            rng = np.random.default_rng([seed, i])
+            return random_q4_0(shape, shape[-1] ** -0.5 if "token_embd" not in name else 1.0, rng)
+        return f
+    return {n: make(n, s, i) for i, (n, s) in enumerate(tensor_shapes(cfg).items())}
