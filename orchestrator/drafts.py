@@ -18,7 +18,8 @@ import numpy as np
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from orchestrator.gguf_export import hot_experts, quantize_gguf, read_config, slice_experts
+from orchestrator.gguf_export import quantize_gguf, read_config
+from orchestrator.hot_experts import hot_experts, slice_experts
 from orchestrator.options import check_output, fail
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -27,7 +25,9 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType, TokenType
+from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType
+
+from orchestrator.tokenizer import Tokenizer, byte_level_bpe_tokenizer
 
 __all__ = [
     "ARCHES",
@@ -44,8 +44,6 @@ __all__ = [
     "QUANT_TYPES",
     "WRITE_DTYPES",
     "read_config",
-    "hot_experts",
-    "slice_experts",
     "atomic_path",
 ]
 
@@ -245,143 +243,6 @@ def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) 
         return (base + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     scale = 1.0 if name.startswith(gguf.TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]) else shape[-1] ** -0.5
     return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-
-
-# --- tokenizer --------------------------------------------------------------------------------
-
-@dataclass
-class Tokenizer:
-    """A byte-level BPE vocabulary as llama.cpp reads it (`tokenizer.ggml.*`)."""
-
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]  # "a b"
-    eos_id: int
-    bos_id: int | None = None
-    pad_id: int | None = None
-    pre: str = "qwen2"
-    add_bos: bool = False
-    chat_template: str | None = None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @classmethod
-    def from_hf_json(cls, text: str, eos: str = "<|endoftext|>", n_vocab: int | None = None) -> Tokenizer:
-        """From a `tokenizers` tokenizer.json (BPE model, byte-level); pads to `n_vocab` with
-        unused tokens when the model's embedding has more rows than the tokenizer has tokens."""
-        j = json.loads(text)
-        model = j["model"]
-        if model.get("type") != "BPE":
-            raise ValueError(f"expected a BPE tokenizer, got {model.get('type')}")
-        vocab: dict[str, int] = dict(model["vocab"])
-        special = set()
-        for t in j.get("added_tokens", []):
-            vocab[t["content"]] = t["id"]
-            if t.get("special"):
-                special.add(t["content"])
-        size = max(vocab.values()) + 1
-        if sorted(vocab.values()) != list(range(size)):
-            raise ValueError("tokenizer ids are not contiguous")
-        tokens = [""] * size
-        for tok, i in vocab.items():
-            tokens[i] = tok
-        types = [int(TokenType.CONTROL if t in special else TokenType.NORMAL) for t in tokens]
-        merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-        _pad_vocab(tokens, types, n_vocab)
-        return cls(tokens=tokens, token_types=types, merges=merges, eos_id=vocab[eos], bos_id=vocab[eos])
-
-
-def _pad_vocab(tokens: list[str], types: list[int], n_vocab: int | None) -> None:
-    if n_vocab is None:
-        return
-    if n_vocab < len(tokens):
-        raise ValueError(f"n_vocab {n_vocab} is smaller than the tokenizer ({len(tokens)} tokens)")
-    for i in range(len(tokens), n_vocab):
-        tokens.append(f"<|unused_{i}|>")
-        types.append(int(TokenType.UNUSED))
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
-
-
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-# Text the random-model tokenizer learns its merges from (any text would do).
-_BPE_SEED_TEXT = '''
-def forward(self, x, mask=None):
-    """Return the output of the layer for the input x."""
-    for i in range(len(self.layers)):
-        x = self.layers[i](x) + x
-    if mask is not None:
-        return x * mask
-    return x
-
-class Expert:
-    def __init__(self, n_embd, n_ff):
-        self.gate = Linear(n_embd, n_ff)
-        self.up = Linear(n_embd, n_ff)
-        self.down = Linear(n_ff, n_embd)
-
-    def __call__(self, x):
-        return self.down(silu(self.gate(x)) * self.up(x))
-The quick brown fox jumps over the lazy dog. Experts are selected by the router, and the
-selected experts are computed on the device or on the host, then their outputs are summed.
-'''
-_PRETOKENIZE = re.compile(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
-
-
-def byte_level_bpe_tokenizer(n_vocab: int = 320, text: str = _BPE_SEED_TEXT) -> Tokenizer:
-    """A small deterministic byte-level BPE tokenizer of exactly `n_vocab` tokens: the 256
-    bytes, merges learnt from `text`, the special tokens, then unused padding if needed."""
-    n_merges = n_vocab - 256 - len(SPECIAL_TOKENS)
-    if n_merges < 0:
-        raise ValueError(f"n_vocab must be >= {256 + len(SPECIAL_TOKENS)}, got {n_vocab}")
-    b2u = bytes_to_unicode()
-    words = Counter(tuple(b2u[b] for b in w.encode()) for w in _PRETOKENIZE.findall(text))
-    tokens = [b2u[b] for b in range(256)]
-    known, merges = set(tokens), []
-    while len(merges) < n_merges:
-        pairs: Counter[tuple[str, str]] = Counter()
-        for w, c in words.items():
-            for p in zip(w, w[1:]):
-                pairs[p] += c
-        if not pairs:
-            break
-        best = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))[0]
-        merged = best[0] + best[1]
-        merges.append(f"{best[0]} {best[1]}")
-        if merged not in known:
-            known.add(merged)
-            tokens.append(merged)
-        words = Counter({_merge_word(w, best, merged): c for w, c in words.items()})
-    types = [int(TokenType.NORMAL)] * len(tokens)
-    eos = len(tokens)
-    tokens += SPECIAL_TOKENS
-    types += [int(TokenType.CONTROL)] * len(SPECIAL_TOKENS)
-    _pad_vocab(tokens, types, n_vocab)
-    return Tokenizer(tokens=tokens, token_types=types, merges=merges, eos_id=eos, bos_id=eos)
-
-
-def _merge_word(word: tuple[str, ...], pair: tuple[str, str], merged: str) -> tuple[str, ...]:
-    out, i = [], 0
-    while i < len(word):
-        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
-            out.append(merged)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return tuple(out)
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -589,87 +450,3 @@ def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
     out = replace(cfg, **kw)
     out.check()
     return out
-
-
-
-# --- hot-expert self-draft (SpecMoE): keep the N most-used experts of every layer ---------------
-
-_EXPERT_TENSORS = (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP,
-                   MODEL_TENSOR.FFN_GATE_UP_EXP, MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_EXP_PROBS_B)
-
-
-def hot_experts(profile: np.ndarray, n_keep: int) -> list[list[int]]:
-    """Per layer, the ids (ascending) of the `n_keep` most-used experts of a usage profile
-    int [n_layer, n_expert] (ties: lower id first)."""
-    profile = np.asarray(profile)
-    if profile.ndim != 2:
-        raise ValueError(f"routing profile must be [n_layer, n_expert], got shape {profile.shape}")
-    if not 0 < n_keep <= profile.shape[1]:
-        raise ValueError(f"n_keep must be in 1..{profile.shape[1]}, got {n_keep}")
-    return [sorted(np.argsort(-row, kind="stable")[:n_keep].tolist()) for row in profile]
-
-
-def _copy_metadata(r: gguf.GGUFReader, w: gguf.GGUFWriter, overrides: Mapping[str, int]) -> None:
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.ALIGNMENT):
-            continue
-        if name in overrides:
-            w.add_key_value(name, overrides[name], f.types[0])
-        elif f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
-        else:
-            w.add_key_value(name, f.contents(), f.types[0])
-
-
-def slice_experts(src: str | os.PathLike[str], dst: str | os.PathLike[str], keep: list[list[int]],
-                  progress: Callable[[str, int], None] | None = None) -> Path:
-    """Copy a MoE GGUF keeping, in layer i, only experts keep[i] (router rows sliced to match).
-
-    Works on any quantization (an expert's rows are contiguous in the file) and streams one
-    tensor at a time. Every layer must keep the same number of experts (one expert_count key)."""
-    r = gguf.GGUFReader(src)
-    arch = r.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    k_count = gguf.Keys.LLM.EXPERT_COUNT.format(arch=arch)
-    k_used = gguf.Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)
-    if r.get_field(k_count) is None:
-        raise ValueError(f"{Path(src).name} is not a MoE model (no {k_count})")
-    n_expert = int(r.get_field(k_count).contents())
-    n_keep = {len(k) for k in keep}
-    if len(n_keep) != 1:
-        raise ValueError("every layer must keep the same number of experts")
-    n_keep = n_keep.pop()
-    for i, ids in enumerate(keep):
-        if len(set(ids)) != len(ids) or not all(0 <= e < n_expert for e in ids):
-            raise ValueError(f"layer {i}: expert ids must be distinct and in 0..{n_expert - 1}")
-    expert_names = {
-        f"{gguf.TENSOR_NAMES[t].format(bid=i)}.{s}": i
-        for t in _EXPERT_TENSORS for i in range(len(keep)) for s in ("weight", "bias", "scale")}
-    used = int(r.get_field(k_used).contents())
-    plan = []
-    for t in r.tensors:
-        data = t.data
-        layer = expert_names.get(t.name)
-        if layer is not None and data.shape[0] == n_expert:
-            plan.append((t, keep[layer]))
-        elif layer is not None:
-            raise ValueError(f"{t.name}: leading dimension {data.shape[0]} != expert_count {n_expert}")
-        else:
-            plan.append((t, None))
-    if all(ids is None for _, ids in plan):
-        raise ValueError(f"{Path(src).name} has no expert tensors")
-    with atomic_path(dst) as tmp:
-        w = gguf.GGUFWriter(tmp, arch)
-        _copy_metadata(r, w, {k_count: n_keep, k_used: min(used, n_keep)})
-        for t, ids in plan:
-            shape = (n_keep, *t.data.shape[1:]) if ids is not None else t.data.shape
-            nbytes = int(t.n_bytes // t.data.shape[0] * shape[0])
-            w.add_tensor_info(t.name, shape, t.data.dtype, nbytes, raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for t, ids in plan:
-            w.write_tensor_data(np.ascontiguousarray(t.data[ids] if ids is not None else t.data))
-            if progress:
-                progress(t.name, int(t.n_bytes))
-        w.close()
-    return Path(dst)

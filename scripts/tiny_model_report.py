@@ -27,7 +27,7 @@ import torch
 from train_tiny_moe import LM, eval_windows
 
 from orchestrator import models
-from orchestrator.gguf_export import hot_experts, slice_experts
+from orchestrator.hot_experts import hot_experts, slice_experts
 
 
 def load_torch(path: Path) -> LM:

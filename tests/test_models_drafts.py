@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 from orchestrator.gguf_export import (
-    hot_experts,
+    byte_level_bpe_tokenizer,
     make_random_model,
     read_config,
-    slice_experts,
     tensor_shapes,
     tiny_config,
     write_gguf,
-    byte_level_bpe_tokenizer,
 )
+from orchestrator.hot_experts import hot_experts, slice_experts
 from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
