@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -94,6 +95,7 @@ def read_series(patch_dir: Path = PATCHES) -> list[Path]:
 
 
 def cmake_args(args: argparse.Namespace) -> list[str]:
+    """CMake arguments of this build; with --cuda this may install cuBLAS (see cuda_args)."""
     out = list(BASE_CMAKE_ARGS)
     if args.rpc:
         out.append("-DGGML_RPC=ON")
@@ -106,9 +108,87 @@ def cmake_args(args: argparse.Namespace) -> list[str]:
                 "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
     if args.cuda:
         # "native" would need a GPU at build time; an explicit list builds anywhere nvcc exists
-        out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}"]
+        out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}", *cuda_args(args.python)]
     out += args.cmake_arg
     return out
+
+
+def cuda_args(python: str) -> list[str]:
+    """What a CUDA build needs beyond nvcc, found or provided; a BuildError names what to install.
+
+    cuBLAS: from the toolkit, else from PyPI's nvidia-cublas wheel (installed into `python`),
+    whose libraries lack the unversioned .so links the linker looks for: links to them go in
+    vendor/build/cuda-shim, and the wheel's lib folder becomes a run path of the built libraries.
+    The driver library (libcuda.so) exists only where an NVIDIA driver is installed: without it
+    ggml's virtual-memory pool, the one user of the driver API, is left out (GGML_CUDA_NO_VMM).
+    """
+    nvcc = _find_nvcc()
+    root = nvcc.parent.parent
+    lib_dirs = [root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib"]
+    out = [f"-DCMAKE_CUDA_COMPILER={Path(nvcc).resolve()}"]
+    if not any((d / "libcublas.so").exists() for d in lib_dirs):
+        out += _cublas_from_wheel(python, _cuda_major(nvcc))
+    driver = any((d / name).exists() for d in lib_dirs for name in ("libcuda.so", "stubs/libcuda.so"))
+    if not driver and "libcuda.so" not in subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout:
+        log("no libcuda.so here (no NVIDIA driver): building with -DGGML_CUDA_NO_VMM=ON")
+        out.append("-DGGML_CUDA_NO_VMM=ON")
+    return out
+
+
+def _find_nvcc() -> Path:
+    """The toolkit's own nvcc (a wrapper script on PATH does not tell where the toolkit is)."""
+    candidates = [os.environ.get("CUDA_PATH", ""), os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    for root in filter(None, candidates):
+        if (Path(root) / "bin" / "nvcc").exists():
+            return (Path(root) / "bin" / "nvcc").resolve()
+    on_path = shutil.which("nvcc")
+    if on_path is None:
+        raise BuildError("--cuda needs nvcc: install the CUDA toolkit (NVIDIA's cuda-toolkit package) "
+                         "and set CUDA_PATH to it or put its bin/ on PATH")
+    return Path(on_path).resolve()
+
+
+def _cuda_major(nvcc: Path) -> int:
+    res = subprocess.run([nvcc, "--version"], capture_output=True, text=True)
+    found = re.search(r"release (\d+)\.", res.stdout)
+    if found:
+        return int(found.group(1))
+    raise BuildError(f"cannot read the CUDA version from `{nvcc} --version`:\n{res.stdout}{res.stderr}")
+
+
+def _cublas_from_wheel(python: str, major: int) -> list[str]:
+    package = "nvidia-cublas" if major >= 13 else f"nvidia-cublas-cu{major}"
+    find = ("import glob, os, sysconfig; d = os.path.join(sysconfig.get_paths()['purelib'], 'nvidia'); "
+            "print(*sorted(glob.glob(d + '/**/libcublas.so.*', recursive=True)), sep='\\n')")
+
+    def wheel_libs() -> list[str]:
+        res = subprocess.run([python, "-c", find], capture_output=True, text=True)
+        return [ln for ln in res.stdout.split() if ln]
+
+    if not wheel_libs():
+        log(f"cuBLAS is not in the CUDA toolkit: installing PyPI's {package} into {python}")
+        res = subprocess.run([python, "-m", "pip", "install", "-q", package], capture_output=True, text=True)
+        if res.returncode != 0 or not wheel_libs():
+            raise BuildError(f"cuBLAS not found: install the toolkit's cuBLAS (libcublas-dev) or `pip install {package}`\n"
+                             f"{res.stderr[-1500:]}")
+    lib_dir = Path(wheel_libs()[0]).parent
+    include = lib_dir.parent / "include"
+    if not (include / "cublas_v2.h").exists():
+        raise BuildError(f"{package} has no include/cublas_v2.h next to {lib_dir}: reinstall it, or install libcublas-dev")
+    shim = VENDOR / "build" / "cuda-shim"
+    shim.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in ("cublas", "cublasLt"):
+        (versioned,) = sorted(lib_dir.glob(f"lib{name}.so.*"))[:1] or [None]
+        if versioned is None:
+            raise BuildError(f"{package} has no lib{name}.so.* in {lib_dir}")
+        link = shim / f"lib{name}.so"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(versioned)
+        out.append(f"-DCUDA_{name}_LIBRARY={link}")
+    return out + [f"-DCMAKE_CUDA_FLAGS=-I{include}", f"-DCMAKE_CXX_FLAGS_INIT=-I{include}",
+                  f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath,{lib_dir}"]
 
 
 def no_amx_args() -> list[str]:
@@ -328,10 +408,24 @@ def export_patches() -> None:
     log(f"exported {len(names)} patches to ggml-patches/")
 
 
+def build_dir_of(cmake: list[str]) -> Path:
+    """One build dir per option set, so that a CUDA build never reuses a CPU cache."""
+    return VENDOR / "build" / hashlib.sha256(json.dumps(cmake).encode()).hexdigest()[:10]
+
+
+def configure(cmake: list[str]) -> None:
+    out = build_dir_of(cmake).with_name(build_dir_of(cmake).name + "-configure")
+    cmd = ["cmake", "-S", str(TREE / LLAMA_CPP_DIR), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", *cmake]
+    log(f"configuring in {out.relative_to(ROOT)}")
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise BuildError(f"CMake configure failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    log(f"configure passed in {time.monotonic() - t0:.0f} s")
+
+
 def pip_install(python: str, cmake: list[str]) -> None:
-    # one build dir per option set, so a CUDA build never reuses a CPU cache
-    variant = hashlib.sha256(json.dumps(cmake).encode()).hexdigest()[:10]
-    build_dir = VENDOR / "build" / variant
+    build_dir = build_dir_of(cmake)
     env = dict(os.environ)
     env["CMAKE_ARGS"] = " ".join(shlex.quote(a) for a in cmake)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
@@ -361,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sanitize", choices=["address", "thread"],
                     help="build with AddressSanitizer or ThreadSanitizer (own build dir and stamp; install it "
                          "into its own venv with --python, see scripts/sanitize.sh)")
+    ap.add_argument("--configure-only", action="store_true",
+                    help="patch the tree and run CMake's configure step into the build dir, then stop "
+                         "(checks a --cuda setup on a machine where the full compile would take hours)")
     ap.add_argument("--cmake-arg", action="append", default=[], help="extra CMake argument (repeatable)")
     ap.add_argument("--sdist", type=Path, help="use this sdist file instead of downloading")
     ap.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
@@ -401,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         apply_patches(patches)
         keep_mtimes(TREE, before)
         log(f"{len(patches)} patches apply cleanly")
+        if args.configure_only:
+            configure(cmake)
+            return 0
         pip_install(args.python, cmake)
         lib = installed_lib(args.python)
         if lib is None:
