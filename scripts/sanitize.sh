@@ -31,7 +31,9 @@ runtime=$("${CC:-cc}" -print-file-name="$runtime_lib")
 [ -f "$runtime" ] || { echo "the compiler has no $runtime_lib (install its sanitizer runtime)" >&2; exit 1; }
 tests=(tests/test_engine.py tests/test_engine_rpc.py tests/test_engine_fuzz.py)
 [ $# -gt 0 ] && tests=("$@")
-export LD_PRELOAD="$runtime"
+# libstdc++ too: Python is not a C++ program, and the sanitizer's exception interceptor needs
+# the real __cxa_throw resolvable when it starts
+export LD_PRELOAD="$runtime $("${CC:-cc}" -print-file-name=libstdc++.so.6)"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0"
 export SPAC_FUZZ_CASES="${SPAC_FUZZ_CASES:-10000}"
