@@ -37,4 +37,5 @@ export LD_PRELOAD="$runtime $("${CC:-cc}" -print-file-name=libstdc++.so.6)"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0"
 export SPAC_FUZZ_CASES="${SPAC_FUZZ_CASES:-10000}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tests' subprocesses import orchestrator
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}"
