@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 from orchestrator.balancer import UnitCosts, WorkloadStats, solve_threshold
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
 from orchestrator.llm import Context, Model
