@@ -102,8 +102,11 @@ def _bind():
         "get_stats": fn("spac_engine_get_stats", None, eng_p, POINTER(SpacEngineStats)),
         "reset_stats": fn("spac_engine_reset_stats", None, eng_p),
         "get_residency": fn("spac_engine_get_residency", None, eng_p, i32p),
+        "attach_draft": fn("spac_engine_attach_draft", c_int32, eng_p, ctx_p, c_char_p, c_size_t),
+        "detach_draft": fn("spac_engine_detach_draft", None, eng_p, ctx_p),
         "routing_enable": fn("spac_routing_enable", None, ctx_p, c_bool),
         "routing_get": fn("spac_routing_get", c_int32, ctx_p, POINTER(c_void_p), POINTER(c_void_p)),
+        "routing_get_unmasked": fn("spac_routing_get_unmasked", c_int32, ctx_p, POINTER(c_void_p)),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
         "graph_n_splits": fn("spac_graph_n_splits", c_int32, ctx_p),
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
@@ -190,6 +193,17 @@ class Routing:
                 self._views = ids, w
             self._key = key
         return self._views
+
+    def unmasked(self) -> np.ndarray | None:
+        """A pool draft context's lookahead: what the unmasked router chose in the last decode,
+        int32 [n_moe_layers, n_tokens, n_expert_used] (a copy); None on any other context."""
+        addr = c_void_p()
+        n_tokens = int(lib()["routing_get_unmasked"](self._ctx, ctypes.byref(addr)))
+        if n_tokens == 0 or not addr.value:
+            return None
+        shape = (self.n_moe_layers, n_tokens, self.n_expert_used)
+        n = int(np.prod(shape))
+        return np.frombuffer((ctypes.c_int32 * n).from_address(addr.value), dtype=np.int32).reshape(shape).copy()
 
     def disable(self) -> None:
         lib()["routing_enable"](self._ctx, False)
@@ -291,6 +305,16 @@ class ExpertEngine:
         out = np.empty((self.n_moe_layers, self.n_expert), dtype=np.int32)
         lib()["get_residency"](self._live(), out.ctypes.data_as(POINTER(c_int32)))
         return out
+
+    def attach_draft(self, ctx) -> None:
+        """Make `ctx`, a second context on this engine's model, a pool draft: its MoE layers route
+        only among the resident experts and compute on the pool device alone (see spac.h).
+        Detached by detach_draft, close, or freeing that context."""
+        if lib()["attach_draft"](self._live(), _ctx_ptr(ctx), self._err, _ERR_LEN) != 0:
+            raise NativeError(self._err.value.decode(errors="replace"))
+
+    def detach_draft(self, ctx) -> None:
+        lib()["detach_draft"](self._live(), _ctx_ptr(ctx))
 
     def _live(self) -> int:
         if self._eng is None:

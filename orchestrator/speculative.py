@@ -57,6 +57,11 @@ def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Polic
 
 # ----------------------------------------------------------------------------- session
 
+# SessionConfig.draft: the target itself as the draft, a second context on the loaded model whose
+# MoE layers route only among the experts resident in the pool (no second model, no expert memory)
+POOL_DRAFT = "pool"
+
+
 @dataclass
 class SessionConfig:
     model: str | Path
@@ -130,15 +135,19 @@ class Session:
     def _open(self, cfg: SessionConfig) -> None:
         ab = cfg.ablations
         self.target = self._model(cfg.model, cfg.n_gpu_layers)
-        if cfg.draft is not None and not ab.no_sd:
+        pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
+        if pool_draft:
+            self.draft = self.target if self.target.n_expert and cfg.engine is not False else None
+        elif cfg.draft is not None and not ab.no_sd:
             self.draft = self._model(cfg.draft, cfg.n_gpu_layers_draft)
             check_vocab(self.target, self.draft)
         n_batch = max(cfg.n_batch, cfg.gamma + 1)
         trained = self.target.meta(f"{self.target.arch}.context_length")
         self.n_ctx = cfg.n_ctx or int(trained or 4096)
         self.ctx = self._context(self.target, self.n_ctx, n_batch, cfg.n_threads)
-        if self.draft is not None:
-            self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch, cfg.n_threads)
+        if self.draft is not None:  # a pool draft's compute buffers: sized for drafting, not prefill
+            self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch if self.draft is not self.target
+                                           else max(cfg.gamma + 1, 64), cfg.n_threads)
         self.mode = "speculative" if self.draft is not None else "autoregressive"
         self.gamma = cfg.gamma if self.draft is not None else 0
         self.chat_template = ChatTemplate.from_model(self.target)
@@ -146,6 +155,12 @@ class Session:
             self._open_engine(cfg)
         elif cfg.engine and not self.target.n_expert:
             self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
+        if pool_draft and self.engine is None:  # no pool, no pool draft: decode autoregressively
+            if self.draft_ctx is not None:
+                self._contexts.remove(self.draft_ctx)
+                self.draft_ctx.close()
+            self.draft = self.draft_ctx = None
+            self.mode, self.gamma = "autoregressive", 0
 
     def _model(self, path, n_gpu_layers: int) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, use_extra_bufts=self.cfg.use_extra_bufts, verbose=self.cfg.verbose,
@@ -172,6 +187,8 @@ class Session:
                 raise
             self.engine_note = f"expert engine off: {e}"
             return
+        if self.draft is self.target:
+            self.engine.attach_draft(self.draft_ctx.ptr)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self._open_draft_routing(Routing)
         lookahead = self.draft_routing is not None or self.policy.draft_optional
