@@ -82,7 +82,8 @@ def _describe(session, setup) -> str:
     """The header: models, γ, placement, ablations — one line."""
     parts = [session.target.path.name]
     if session.draft is not None:
-        parts.append(f"draft {session.draft.path.name}, γ={session.gamma}")
+        name = "pool" if session.draft is session.target else session.draft.path.name
+        parts.append(f"draft {name}, γ={session.gamma}")
     else:
         parts.append("autoregressive")
     parts += setup.notes
@@ -198,7 +199,8 @@ def generate(
             m.stop_reason = "interrupted"
         if json_out:
             out = {"text": session.last_text, "model": str(session.target.path),
-                   "draft": str(session.draft.path) if session.draft is not None else None,
+                   "draft": (None if session.draft is None else "pool" if session.draft is session.target
+                             else str(session.draft.path)),
                    "engine": session.engine is not None, **_run_info(session, setup, opts), **m.to_dict()}
             _write(json.dumps(out) + "\n")
         else:

@@ -143,6 +143,10 @@ OPTIONS: dict[str, _Opt] = {
     "model_draft": _Opt("model", Optional[Path], None, typer.Option(
         "-md", "--model-draft", help="draft GGUF (same vocabulary) \\[default: the shipped draft of the shipped target]",
         show_default=False)),
+    "draft": _Opt("model", Optional[str], None, typer.Option(
+        "--draft", help="pool: the target itself drafts, routed only to the experts in the device pool (costs its "
+        "KV cache only); none: no speculation \\[default: -md, else the shipped draft of the shipped target, "
+        "else pool when the expert pool is on]", show_default=False)),
     "draft_max": _Opt("model", int, 8, typer.Option(
         "--spec-draft-n-max", "--draft-max", help="γ, draft tokens per verification step; 0 = no draft")),
     "expert_budget": _Opt("model", Optional[str], None, typer.Option(
@@ -182,6 +186,7 @@ class RunOptions:
 
     model: Path | None = None
     model_draft: Path | None = None
+    draft: str | None = None     # None (auto), "pool" or "none"
     draft_max: int = 8
     expert_budget: Budget = Budget()
     device: str | None = None
@@ -211,6 +216,12 @@ class RunOptions:
             fail(f"--top-p must be in [0, 1], got {v['top_p']}")
         if v["draft_max"] < 0:
             fail(f"--spec-draft-n-max (--draft-max) must be >= 0 (0: no draft), got {v['draft_max']}")
+        if v["draft"] is not None:
+            v["draft"] = v["draft"].strip().lower()
+            if v["draft"] not in ("pool", "none"):
+                fail(f"--draft must be pool or none (or -md FILE for a draft model), got {v['draft']!r}")
+            if v["draft"] == "pool" and v["model_draft"] is not None:
+                fail("--draft pool and -md/--model-draft are exclusive: the pool draft is the target itself")
         if v["ctx_size"] < 0:
             fail(f"-c/--ctx-size must be >= 0 (0: the model's), got {v['ctx_size']}")
         if v["top_k"] < 0:
@@ -229,7 +240,7 @@ class RunOptions:
         for path, flag in ((v["model"], "-m/--model"), (v["model_draft"], "-md/--model-draft")):
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
-        return cls(model=v["model"], model_draft=v["model_draft"], draft_max=v["draft_max"], expert_budget=budget,
+        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budget,
                    device=v["device"], n_gpu_layers=ngl, threads=threads, ctx_size=v["ctx_size"], engine=v["engine"],
                    check_tensors=v["check_tensors"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
@@ -310,10 +321,15 @@ def _is_shipped_target(path: Path, target: Path) -> bool:
 
 
 def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
-    """(target, draft, note): -m/-md, else the shipped models; note says why there is no draft."""
+    """(target, draft, note): -m/-md, else the shipped models, else the pool draft (POOL_DRAFT,
+    dropped by session_setup when the pool is off); note says why there is no draft."""
+    from orchestrator.speculative import POOL_DRAFT
+
     model, draft = opts.model, opts.model_draft
     shipped_target, shipped_draft = default_models()
     note = ""
+    if opts.draft == "pool":
+        draft = POOL_DRAFT
     if model is None:
         if shipped_target is None:
             fail("no model given (-m) and no shipped default models (orchestrator/models/MANIFEST.json is missing)")
@@ -323,7 +339,9 @@ def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
         if shipped_target is not None and _is_shipped_target(model, shipped_target):
             draft = shipped_draft
         else:
-            note = "no draft (-md DRAFT.gguf to decode speculatively)"
+            draft = POOL_DRAFT  # the target drafts through its pool, if it gets one (session_setup)
+    if opts.draft == "none":
+        draft, note = None, "no draft (--draft none)"
     if opts.draft_max == 0 and draft is not None:
         draft, note = None, "no draft (--spec-draft-n-max 0)"
     if "no_sd" in opts.ablations and draft is not None:
@@ -345,11 +363,11 @@ def session_setup(opts: RunOptions) -> Setup:
     from orchestrator.llm import ModelError, check_gguf
     from orchestrator.placement import PlacementError, first_gpu, model_sizes, place
     from orchestrator.native import engine_built
-    from orchestrator.speculative import SessionConfig
+    from orchestrator.speculative import POOL_DRAFT, SessionConfig
 
     model, draft, draft_note = resolve_models(opts)
     for path in (model, draft):
-        if path is not None:
+        if path is not None and path != POOL_DRAFT:
             try:
                 check_gguf(path)
             except ModelError as e:
@@ -387,6 +405,13 @@ def session_setup(opts: RunOptions) -> Setup:
     elif p.device is None:
         off = p.note
     notes.append(off or p.note)
+    if draft == POOL_DRAFT and off:
+        if opts.draft == "pool":
+            fail(f"--draft pool needs the expert pool, which is off: {off}")
+        draft = None
+        notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
+    elif draft == POOL_DRAFT:
+        notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
     cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_threads=opts.threads,
                         n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),

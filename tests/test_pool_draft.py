@@ -181,3 +181,19 @@ def test_no_pool_no_pool_draft(models, tmp_path):
     with pool_session(models["target"], tmp_path, engine=False) as s:
         assert s.draft is None and s.draft_ctx is None and s.mode == "autoregressive" and s.gamma == 0
         assert len(s.complete(prompts(1)[0], max_tokens=4).tokens) == 4
+
+
+def test_options_default_to_the_pool_draft(models):
+    """-m without -md: the pool draft when the pool is on; --draft none, the pool off or -md: not."""
+    from orchestrator.options import RunOptions, session_setup
+
+    def setup(**kw):
+        return session_setup(RunOptions(model=models["target"], **kw))
+
+    assert setup(device="CPU").config.draft == POOL_DRAFT
+    assert setup(device="CPU", draft="pool").config.draft == POOL_DRAFT
+    s = setup(device="CPU", draft="none")
+    assert s.config.draft is None and "no draft (--draft none)" in s.notes
+    s = setup(engine=False)
+    assert s.config.draft is None and any("no draft (-md" in n for n in s.notes)
+    assert setup(device="CPU", model_draft=models["self_draft"]).config.draft == models["self_draft"]
