@@ -147,7 +147,7 @@ class Session:
         self.ctx = self._context(self.target, self.n_ctx, n_batch, cfg.n_threads)
         if self.draft is not None:  # a pool draft's compute buffers: sized for drafting, not prefill
             self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch if self.draft is not self.target
-                                           else max(cfg.gamma + 1, 64), cfg.n_threads)
+                                           else max(cfg.gamma + 1, 16), cfg.n_threads)
         self.mode = "speculative" if self.draft is not None else "autoregressive"
         self.gamma = cfg.gamma if self.draft is not None else 0
         self.chat_template = ChatTemplate.from_model(self.target)
