@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
@@ -225,7 +224,8 @@ def main() -> None:
 
 def make_hot_draft(target: Path, d: Path, threads: int) -> Path:
     """SpecMoE-style draft: per layer the quarter of experts the target uses most on the prompts."""
-    from orchestrator.gguf_export import hot_experts, read_config, slice_experts
+    from orchestrator.gguf_export import read_config
+    from orchestrator.hot_experts import hot_experts, slice_experts
     from orchestrator.llm import Context, Model
     from orchestrator.native import Routing
 
