@@ -6,10 +6,13 @@ only among the experts resident in the expert pool and compute on the pool devic
 - masked routing: the draft's routing export holds resident experts only (as many as a layer
   has, up to top-k), and the unmasked router's choice (the lookahead) is exported beside it;
 - everything resident: the draft computes exactly what the target does;
-- the pool draft is dropped (autoregressive) when there is no pool.
+- the pool draft is dropped (autoregressive) when there is no pool; the CLI options default to it;
+- on a real second device (RPC) the draft's experts run there, with no host half.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +200,53 @@ def test_options_default_to_the_pool_draft(models):
     s = setup(engine=False)
     assert s.config.draft is None and any("no draft (-md" in n for n in s.notes)
     assert setup(device="CPU", model_draft=models["self_draft"]).config.draft == models["self_draft"]
+
+
+def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:
+    """The pool on a real second device: the draft context's device half is pinned to its own
+    backend of that device; everything resident, it computes what the target computes."""
+    from engine_common import model_config
+    from orchestrator.gguf_export import make_random_model
+    from orchestrator.native import graph_n_crossings
+
+    path = make_random_model(tmp / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
+    model = Model(path, use_extra_bufts=False)
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    dctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    tokens = [5, 17, 42, 99, 7, 250, 31, 64]
+    try:
+        ctx.decode(tokens, logits_all=True)
+        reference = ctx.logits().copy()
+        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=1.0) as engine:
+            L, E = engine.n_moe_layers, engine.n_expert
+            engine.set_plan(Plan(np.full((L, E), 4, np.uint8), np.ones(L, np.int32)))
+            assert engine.wait_idle(60) and (engine.residency() >= 0).all()
+            engine.attach_draft(dctx.ptr)
+            dctx.decode(tokens, logits_all=True)
+            np.testing.assert_allclose(dctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+            # the experts ran on the device, and no host half: one crossing there and back per MoE layer at most
+            assert 0 < graph_n_crossings(dctx.ptr) <= 2 * L
+    finally:
+        dctx.close()
+        ctx.close()
+        model.close()
+
+
+def test_pool_draft_on_rpc_device(tmp_path):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "rpc pool draft check passed" in res.stdout
+
+
+if __name__ == "__main__":
+    import sys
+
+    from orchestrator.native import rpc_device
+
+    with rpc_device() as dev:
+        check_pool_draft_on_rpc_device(dev, Path(sys.argv[1]))
+    print("rpc pool draft check passed")
