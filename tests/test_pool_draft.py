@@ -146,30 +146,23 @@ def test_pool_draft_is_lossless_on(arch_models, arch):  # noqa: F811
         model.close()
 
 
-def test_everything_resident_drafts_exactly_the_target(models):
-    """With every expert in the pool the mask changes nothing: the draft's logits are the target's."""
-    model = Model(models["target"], use_extra_bufts=False)
-    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=1)
-    dctx = Context(model, n_ctx=64, n_batch=16, n_threads=1)
+def everything_resident(path, device: str | None, check) -> None:
+    """Target and pool draft contexts on one model, every expert in the pool (on `device`), the
+    draft attached: check(ctx, dctx, engine, tokens, reference logits of the target)."""
+    model = Model(path, use_extra_bufts=False)
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    dctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     tokens = [5, 17, 42, 99, 7, 250, 31, 64]
     try:
         ctx.decode(tokens, logits_all=True)
         reference = ctx.logits().copy()
-        with ExpertEngine(ctx.ptr, models["target"], budget_ratio=1.0) as engine:
+        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=1.0) as engine:
             L, E = engine.n_moe_layers, engine.n_expert
             engine.set_plan(Plan(np.full((L, E), 4, np.uint8), np.ones(L, np.int32)))
-            assert engine.wait_idle() and (engine.residency() >= 0).all()
+            assert engine.wait_idle(60) and (engine.residency() >= 0).all()
             engine.attach_draft(dctx.ptr)
             dctx.decode(tokens, logits_all=True)
-            np.testing.assert_array_equal(dctx.logits(), reference)
-            with pytest.raises(NativeError, match="already"):
-                engine.attach_draft(dctx.ptr)
-            with pytest.raises(NativeError, match="second context"):
-                engine.attach_draft(ctx.ptr)
-            # the draft's decodes leave the target's unchanged
-            ctx.clear()
-            ctx.decode(tokens, logits_all=True)
-            np.testing.assert_array_equal(ctx.logits(), reference)
+            check(ctx, dctx, engine, tokens, reference)
         # the engine is gone: the draft context is the plain model again
         dctx.clear()
         dctx.decode(tokens, logits_all=True)
@@ -178,6 +171,22 @@ def test_everything_resident_drafts_exactly_the_target(models):
         dctx.close()
         ctx.close()
         model.close()
+
+
+def test_everything_resident_drafts_exactly_the_target(models):
+    """With every expert in the pool the mask changes nothing: the draft's logits are the target's."""
+    def check(ctx, dctx, engine, tokens, reference):
+        np.testing.assert_array_equal(dctx.logits(), reference)
+        with pytest.raises(NativeError, match="already"):
+            engine.attach_draft(dctx.ptr)
+        with pytest.raises(NativeError, match="second context"):
+            engine.attach_draft(ctx.ptr)
+        # the draft's decodes leave the target's unchanged
+        ctx.clear()
+        ctx.decode(tokens, logits_all=True)
+        np.testing.assert_array_equal(ctx.logits(), reference)
+
+    everything_resident(models["target"], None, check)
 
 
 def test_no_pool_no_pool_draft(models, tmp_path):
@@ -209,27 +218,13 @@ def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:
     from orchestrator.gguf_export import make_random_model
     from orchestrator.native import graph_n_crossings
 
+    def check(ctx, dctx, engine, tokens, reference):
+        np.testing.assert_allclose(dctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+        # the experts ran on the device, and no host half: one crossing there and back per MoE layer at most
+        assert 0 < graph_n_crossings(dctx.ptr) <= 2 * engine.n_moe_layers
+
     path = make_random_model(tmp / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
-    model = Model(path, use_extra_bufts=False)
-    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
-    dctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
-    tokens = [5, 17, 42, 99, 7, 250, 31, 64]
-    try:
-        ctx.decode(tokens, logits_all=True)
-        reference = ctx.logits().copy()
-        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=1.0) as engine:
-            L, E = engine.n_moe_layers, engine.n_expert
-            engine.set_plan(Plan(np.full((L, E), 4, np.uint8), np.ones(L, np.int32)))
-            assert engine.wait_idle(60) and (engine.residency() >= 0).all()
-            engine.attach_draft(dctx.ptr)
-            dctx.decode(tokens, logits_all=True)
-            np.testing.assert_allclose(dctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
-            # the experts ran on the device, and no host half: one crossing there and back per MoE layer at most
-            assert 0 < graph_n_crossings(dctx.ptr) <= 2 * L
-    finally:
-        dctx.close()
-        ctx.close()
-        model.close()
+    everything_resident(path, device, check)
 
 
 def test_pool_draft_on_rpc_device(tmp_path):
