@@ -236,7 +236,10 @@ class Session:
     def _drafted(self, rows: list[np.ndarray]) -> None:
         """After each draft token: keep the draft's routing of the token it consumed and let a
         lookahead policy add prefetches while the draft goes on."""
-        ids, _ = self.draft_routing.last()  # [n_layer, n_tokens, top_k]: the consumed token is the last
+        # [n_layer, n_tokens, top_k], the consumed token last; a pool draft routes only among the
+        # resident experts, so its lookahead is what its router would have chosen unmasked
+        pool_draft = self.draft is self.target
+        ids = self.draft_routing.unmasked() if pool_draft else self.draft_routing.last()[0]
         rows.append(ids[:, -1, :].copy())
         if self.policy.uses_draft_routing:
             plan = self.policy.draft_plan(np.stack(rows), self._resident())

@@ -68,6 +68,15 @@ def test_pool_draft_is_lossless(models, tmp_path):
         m = s.last_metrics
         assert m.n_drafted > 0 and m.n_accepted > 0
         print(f"pool draft: {m.summary()}")
+        # the policy's lookahead is the unmasked router's choice of the tokens being drafted
+        unmasked, seen = [], []
+        s.draft_routing.unmasked = lambda f=s.draft_routing.unmasked: unmasked.append(f()) or unmasked[-1]
+        s.policy.draft_plan = lambda rows, resident, f=s.policy.draft_plan: seen.append(rows[-1].copy()) or f(rows, resident)
+        s.complete(prompts(1, seed=5)[0], max_tokens=16)
+        assert len(seen) == len(unmasked) > 0
+        for rows, u in zip(seen, unmasked):
+            np.testing.assert_array_equal(rows, u[:, -1, :])
+        del s.draft_routing.unmasked, s.policy.draft_plan
         check_masked_routing(s, prompts(1, seed=3)[0])
 
 
