@@ -1,0 +1,183 @@
+"""Adaptive draft length: MoE-SpeQ's Speculative Governor (seed 000 §3.2).
+
+Before every verification step the governor picks the draft length γ ∈ [γ_min, γ_max]
+(γ_max: `--draft-max`) that maximises the expected tokens per second of that step, the
+Amortization Roofline objective of the paper:
+
+    E(γ) = 1 + Σ_{i=1..γ} Π_{j≤i} p_j          expected tokens of a step: accepted drafts + the
+                                               target's own token
+    T(γ) = γ · t_draft + T_verify(γ + 1) + t_step
+    γ*   = argmax_γ E(γ) / T(γ)
+
+- p_i: the probability that draft i is accepted given drafts 1..i−1 were (seed 000, Eq. 2),
+  from decayed counts of what the verify passes accepted, shrunk towards the geometric rate α
+  for positions that are seldom reached (a short γ never observes p_8).
+- t_draft: measured seconds per drafted token (the draft is cheap and linear in γ).
+- T_verify(n): measured seconds of the verify pass of n tokens, per batch size: the roofline of
+  the target. A memory-bound target streams its weights once whatever n is, so T_verify stays
+  nearly flat until compute catches up; a small compute-bound target pays about n times one
+  token. Between measured sizes it is interpolated linearly; outside them it follows the slope of
+  a line fitted through the measurements (never negative) from the nearest measured size.
+- t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
+
+The first steps probe the batch sizes the model needs (γ_max, γ_min, 1 and γ_max/2); afterwards
+every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
+longest ago (one the model puts far below the best, less often), so the model follows the
+machine's load and the text's acceptance.
+
+The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GovernorConfig:
+    gamma_max: int
+    gamma_min: int = 0            # 0 allows a plain autoregressive step where drafting cannot pay
+    acceptance_decay: float = 0.97  # per step: the counts remember about 1/(1 − decay) steps
+    cost_weight: float = 0.3      # weight of a new time measurement in its running average
+    prior_acceptance: float = 0.7
+    prior_weight: float = 2.0     # pseudo-observations behind α and behind each p_i's shrinkage
+    probe_every: int = 16         # every n-th step may try a neighbour of the best γ ...
+    probe_margin: float = 0.15    # ... when the model puts it within 15% of the best ...
+    probe_far: int = 8            # ... or else only every 8th time
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(f"need 0 ≤ gamma_min ≤ gamma_max, got {self.gamma_min}, {self.gamma_max}")
+
+
+class Governor:
+    """Chooses γ for the next verification step from what the previous steps measured.
+
+        gov = Governor(GovernorConfig(gamma_max=8))
+        while generating:
+            g = gov.next_gamma()
+            ... draft up to g tokens, verify ...
+            gov.observe(n_drafted, n_accepted, draft_s, verify_s, other_s)
+    """
+
+    def __init__(self, cfg: GovernorConfig) -> None:
+        self.cfg = cfg
+        n = cfg.gamma_max
+        self.succ = np.zeros(n + 1)   # decayed counts, index i = draft position (1-based)
+        self.tried = np.zeros(n + 1)
+        self.n_accept = self.n_reject = 0.0
+        self.t_draft = np.nan        # seconds per drafted token
+        self.t_step = 0.0            # seconds per step outside drafting and verifying
+        self.t_verify = np.full(n + 2, np.nan)  # index n = batch size
+        self.measured_at = np.full(n + 2, -1)
+        self.steps = 0
+        self.last_gamma = n
+        self._probes = list(dict.fromkeys(g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2))
+                                          if cfg.gamma_min <= g <= n))
+
+    # -- measurements ---------------------------------------------------------------------
+
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float,
+                other_s: float = 0.0) -> None:
+        """One verification step: `n_drafted` drafts (0: an autoregressive step), the first
+        `n_accepted` of them accepted, and its measured times in seconds."""
+        if not 0 <= n_accepted <= n_drafted:
+            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafts")
+        c = self.cfg
+        self.succ *= c.acceptance_decay
+        self.tried *= c.acceptance_decay
+        self.n_accept *= c.acceptance_decay
+        self.n_reject *= c.acceptance_decay
+        g = min(n_drafted, c.gamma_max)
+        a = min(n_accepted, g)
+        self.succ[1:a + 1] += 1
+        self.tried[1:a + 1] += 1
+        self.n_accept += a
+        if a < g:  # draft a+1 was rejected; the ones after it were never judged
+            self.tried[a + 1] += 1
+            self.n_reject += 1
+        if n_drafted > 0:
+            self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
+        self.t_step = _average(self.t_step if self.steps else np.nan, other_s, c.cost_weight)
+        b = min(n_drafted + 1, c.gamma_max + 1)
+        self.t_verify[b] = _average(self.t_verify[b], verify_s, c.cost_weight)
+        self.measured_at[b] = self.steps
+        self.steps += 1
+
+    # -- the model ------------------------------------------------------------------------
+
+    @property
+    def alpha(self) -> float:
+        """Geometric acceptance rate: accepted drafts / judged drafts, with the prior."""
+        c = self.cfg
+        a0 = c.prior_acceptance * c.prior_weight
+        return (self.n_accept + a0) / (self.n_accept + self.n_reject + c.prior_weight)
+
+    def acceptance(self) -> np.ndarray:
+        """p_i for i = 1..γ_max (index 0 unused, 1.0)."""
+        k = self.cfg.prior_weight
+        p = (self.succ + k * self.alpha) / (self.tried + k)
+        p[0] = 1.0
+        return p
+
+    def expected_tokens(self) -> np.ndarray:
+        """E(γ) for γ = 0..γ_max."""
+        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()[1:]))])
+
+    def verify_cost(self, n: int) -> float:
+        """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
+        known = np.flatnonzero(~np.isnan(self.t_verify))
+        if known.size == 0:
+            return np.nan
+        t = self.t_verify[known]
+        if known[0] <= n <= known[-1]:
+            return float(np.interp(n, known, t))
+        slope = max(float(np.polyfit(known, t, 1)[0]), 0.0) if known.size > 1 else 0.0
+        edge = 0 if n < known[0] else -1
+        return max(float(t[edge] + slope * (n - known[edge])), 0.0)
+
+    def throughput(self) -> np.ndarray:
+        """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable)."""
+        g = np.arange(self.cfg.gamma_max + 1)
+        t_draft = 0.0 if np.isnan(self.t_draft) else self.t_draft
+        cost = g * t_draft + np.array([self.verify_cost(int(x) + 1) for x in g]) + self.t_step
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.expected_tokens() / cost
+
+    # -- the decision ---------------------------------------------------------------------
+
+    def best_gamma(self) -> int:
+        c = self.cfg
+        tps = self.throughput()[c.gamma_min:]
+        if np.all(np.isnan(tps)):
+            return c.gamma_max
+        return c.gamma_min + int(np.nanargmax(tps))
+
+    def next_gamma(self) -> int:
+        """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best."""
+        c = self.cfg
+        if self.steps < len(self._probes):
+            g = self._probes[self.steps]
+        else:
+            g = self.best_gamma()
+            if c.probe_every and self.steps % c.probe_every == 0:
+                g = self._probe_near(g)
+        self.last_gamma = g
+        return g
+
+    def _probe_near(self, best: int) -> int:
+        """The neighbour of `best` measured longest ago, if the model says it is close (within
+        `probe_margin`); a clearly worse one only every `probe_far`-th probe (it may have become
+        better since, but each probe of it costs)."""
+        c = self.cfg
+        tps = self.throughput()
+        near = [x for x in (best - 1, best + 1) if c.gamma_min <= x <= c.gamma_max]
+        far_turn = (self.steps // c.probe_every) % c.probe_far == 0
+        near = [x for x in near if far_turn or not tps[x] < (1 - c.probe_margin) * tps[best]]
+        return min(near, key=lambda x: self.measured_at[x + 1]) if near else best
+
+
+def _average(old: float, new: float, weight: float) -> float:
+    return new if np.isnan(old) else (1 - weight) * old + weight * new
