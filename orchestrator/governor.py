@@ -22,8 +22,9 @@ Amortization Roofline objective of the paper:
 
 The first steps probe the batch sizes the model needs (γ_max, γ_min, 1 and γ_max/2); afterwards
 every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
-longest ago (one the model puts far below the best, less often), so the model follows the
-machine's load and the text's acceptance.
+longest ago (if the model puts it close to the best), and every `probe_far`-th probe the γ
+measured longest ago of all that are not far worse, so the model follows the machine's load
+and the text's acceptance.
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
 """
@@ -44,8 +45,9 @@ class GovernorConfig:
     prior_acceptance: float = 0.7
     prior_weight: float = 2.0     # pseudo-observations behind α and behind each p_i's shrinkage
     probe_every: int = 16         # every n-th step may try a neighbour of the best γ ...
-    probe_margin: float = 0.15    # ... when the model puts it within 15% of the best ...
-    probe_far: int = 8            # ... or else only every 8th time
+    probe_margin: float = 0.15    # ... when the model puts it within 15% of the best;
+    probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
+    probe_far_margin: float = 0.5  # ... of those within 50% of the best
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -168,15 +170,18 @@ class Governor:
         return g
 
     def _probe_near(self, best: int) -> int:
-        """The neighbour of `best` measured longest ago, if the model says it is close (within
-        `probe_margin`); a clearly worse one only every `probe_far`-th probe (it may have become
-        better since, but each probe of it costs)."""
+        """The neighbour of `best` measured longest ago, if the model puts it within
+        `probe_margin` of the best; every `probe_far`-th probe instead the γ measured longest
+        ago of all those within `probe_far_margin` (a measurement taken under a passing load must
+        not stay forever)."""
         c = self.cfg
         tps = self.throughput()
-        near = [x for x in (best - 1, best + 1) if c.gamma_min <= x <= c.gamma_max]
-        far_turn = (self.steps // c.probe_every) % c.probe_far == 0
-        near = [x for x in near if far_turn or not tps[x] < (1 - c.probe_margin) * tps[best]]
-        return min(near, key=lambda x: self.measured_at[x + 1]) if near else best
+        if (self.steps // c.probe_every) % c.probe_far == 0:
+            cand, margin = [x for x in range(c.gamma_min, c.gamma_max + 1) if x != best], c.probe_far_margin
+        else:
+            cand, margin = [x for x in (best - 1, best + 1) if c.gamma_min <= x <= c.gamma_max], c.probe_margin
+        cand = [x for x in cand if not tps[x] < (1 - margin) * tps[best]]
+        return min(cand, key=lambda x: self.measured_at[x + 1]) if cand else best
 
 
 def _average(old: float, new: float, weight: float) -> float:

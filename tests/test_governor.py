@@ -79,7 +79,7 @@ def test_gamma_min_and_max_bound_every_choice():
 
 
 def test_warm_up_probes_then_periodic_probes_next_to_the_best():
-    gov = Governor(GovernorConfig(gamma_max=8, probe_every=4))
+    gov = Governor(GovernorConfig(gamma_max=8, probe_every=4, probe_far=1000))
     m = Machine(**MEMORY_BOUND)
     first = []
     for _ in range(4):
@@ -94,6 +94,16 @@ def test_warm_up_probes_then_periodic_probes_next_to_the_best():
         gov.observe(*m.step(g))
     best = gov.best_gamma()
     assert chosen.count(best) >= 25 and all(abs(g - best) <= 1 for g in chosen[8:])
+
+
+def test_far_probes_refresh_the_stalest_measurement():
+    gov = Governor(GovernorConfig(gamma_max=8, probe_every=2, probe_far=2))
+    m = Machine(**MEMORY_BOUND)
+    for _ in range(200):
+        gov.observe(*m.step(gov.next_gamma()))
+    best = max(m.expected_rate(g) for g in range(9))
+    close = [g for g in range(9) if m.expected_rate(g) > 0.6 * best]
+    assert len(close) > 3 and (gov.measured_at[[g + 1 for g in close]] >= 200 - 2 * 2 * 9 - 4).all()
 
 
 def test_acceptance_per_position_follows_what_was_accepted():
