@@ -109,10 +109,10 @@ DRAFT_STATS = re.compile(r"n_drafted\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", re.S)
 def llama_row(exe: Path, target: Path, draft: Path, gamma: int, threads: int, n_ctx: int, n: int) -> Row:
     def open_():
         def run(prompt: str):
-            cmd = [str(exe), "-m", str(target), "-md", str(draft), "-p", prompt, "-n", str(n), "-c", str(n_ctx),
-                   "-t", str(threads), "-td", str(threads), "--spec-draft-n-max", str(gamma),
-                   "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "--temp", "0", "--top-k", "1",
-                   "-ngl", "0", "-ngld", "0", "--no-warmup", "--seed", "1"]
+            cmd = [str(exe), "-m", str(target), "-md", str(draft), "--spec-type", "draft-simple", "-p", prompt,
+                   "-n", str(n), "-c", str(n_ctx), "-t", str(threads), "-td", str(threads),
+                   "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+                   "--temp", "0", "--top-k", "1", "--seed", "1"]
             res = subprocess.run(cmd, capture_output=True, timeout=1800)
             err = res.stderr.decode(errors="replace")
             if res.returncode != 0:
