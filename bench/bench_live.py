@@ -82,7 +82,7 @@ class Row:
 def spac_row(name: str, gamma: str, cfg: SessionConfig, n: int, policy_factory=None) -> Row:
     def open_():
         s = Session(cfg, policy=policy_factory() if policy_factory else None)
-        s.complete(PROMPTS[0], max_tokens=8)  # warm-up: weights paged in, governor probes
+        s.complete(PROMPTS[-1], max_tokens=32)  # warm-up: weights paged in, the governor's first probes
 
         def run(prompt: str):
             s.reset()
