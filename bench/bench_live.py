@@ -47,6 +47,7 @@ from orchestrator.speculative import Session, SessionConfig  # noqa: E402
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
            "    return sorted(items, key=", "# Parse the command line\nparser = argparse.", "try:\n    import json"]
+WARM_UP = "def main():\n    "
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Row:
 def spac_row(name: str, gamma: str, cfg: SessionConfig, n: int, policy_factory=None) -> Row:
     def open_():
         s = Session(cfg, policy=policy_factory() if policy_factory else None)
-        s.complete(PROMPTS[-1], max_tokens=32)  # warm-up: weights paged in, the governor's first probes
+        s.complete(WARM_UP, max_tokens=32)  # warm-up: weights paged in, the governor's first probes
 
         def run(prompt: str):
             s.reset()
