@@ -27,6 +27,12 @@ Presets (bytes per decode step at one token, F16):
   experts, about 7 GB of RAM in all.
 - small: 8 blocks, 8 heads, ff 128 (the test's scaled-down version).
 Never overwrites an existing file.
+
+Its routing of the real hidden states, as a trace for the simulator (the padded blocks route
+with trained routers, so the trace has 16 MoE layers of trained routing):
+
+    spac trace record runs/mb/trace-olmoe-bytes.npz -m runs/mb/olmoe-bytes-f16.gguf \
+        -md models/spac-tiny-moe-q4_0.gguf --prompts-file PROMPTS.txt -n 64 -c 512
 """
 
 from __future__ import annotations
