@@ -31,8 +31,8 @@ Never overwrites an existing file.
 Its routing of the real hidden states, as a trace for the simulator (the padded blocks route
 with trained routers, so the trace has 16 MoE layers of trained routing):
 
-    spac trace record runs/mb/trace-olmoe-bytes.npz -m runs/mb/olmoe-bytes-f16.gguf \
-        -md models/spac-tiny-moe-q4_0.gguf --prompts-file PROMPTS.txt -n 64 -c 512
+    spac trace record runs/mb/trace.npz -m runs/mb/olmoe-bytes-f16.gguf
+        -md models/spac-tiny-moe-q4_0.gguf --prompts-file PROMPTS.txt -n 64 -c 512   (one line)
 """
 
 from __future__ import annotations
