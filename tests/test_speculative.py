@@ -104,7 +104,8 @@ def test_greedy_is_lossless(models, references, tmp_path, gamma, engine):
 def test_engine_ablations_stay_lossless(models, references, tmp_path, ablation):
     if not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=4, engine=True, ablations=Ablations(**{ablation: True})) as s:
+    ablations = Ablations(**{ablation: True})
+    with session(models, tmp_path, gamma=4, engine=True, ablations=ablations, adaptive_gamma=False) as s:
         for prompt, ref in list(zip(prompts(), references))[:3]:
             assert s.complete(prompt, max_tokens=64).tokens == ref[:64]
         m = s.last_metrics
@@ -345,7 +346,8 @@ def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
     the copies made while measuring are not part of the next step's feedback."""
     if not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=4, engine=True, ablations=Ablations(no_prefetch=True)) as s:
+    ablations = Ablations(no_prefetch=True)
+    with session(models, tmp_path, gamma=4, engine=True, ablations=ablations, adaptive_gamma=False) as s:
         s.complete(prompts()[0], max_tokens=16)
         static = s.policy.static
         assert static is not None
