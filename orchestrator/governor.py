@@ -13,14 +13,16 @@ Amortization Roofline objective of the paper:
   from decayed counts of what the verify passes accepted, shrunk towards the geometric rate α
   for positions that are seldom reached (a short γ never observes p_8).
 - t_draft: measured seconds per drafted token (the draft is cheap and linear in γ).
-- T_verify(n): measured seconds of the verify pass of n tokens, per batch size: the roofline of
+- T_verify(n): measured seconds of the verify pass of n tokens (the median of the last few
+  measurements of that size, so a passing load spike does not count much): the roofline of
   the target. A memory-bound target streams its weights once whatever n is, so T_verify stays
   nearly flat until compute catches up; a small compute-bound target pays about n times one
   token. Between measured sizes it is interpolated linearly; outside them it follows the slope of
   a line fitted through the measurements (never negative) from the nearest measured size.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
-The first steps probe the batch sizes the model needs (γ_max, γ_min, 1 and γ_max/2); afterwards
+The first steps probe the batch sizes the model needs (γ_max, γ_min, 1, γ_max/2, and γ_max again:
+the very first step of a session runs on cold caches and its times are dropped); afterwards
 every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
 longest ago (if the model puts it close to the best), and every `probe_far`-th probe the γ
 measured longest ago of all that are not far worse, so the model follows the machine's load
@@ -31,6 +33,7 @@ The governor only chooses how many tokens to draft: greedy output is the target'
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +44,8 @@ class GovernorConfig:
     gamma_max: int
     gamma_min: int = 0            # 0 allows a plain autoregressive step where drafting cannot pay
     acceptance_decay: float = 0.97  # per step: the counts remember about 1/(1 − decay) steps
-    cost_weight: float = 0.3      # weight of a new time measurement in its running average
+    cost_weight: float = 0.3      # weight of a new draft / step time in its running average
+    verify_window: int = 5        # T_verify(n): the median of the last measurements of size n
     prior_acceptance: float = 0.7
     prior_weight: float = 2.0     # pseudo-observations behind α and behind each p_i's shrinkage
     probe_every: int = 16         # every n-th step may try a neighbour of the best γ ...
@@ -71,13 +75,16 @@ class Governor:
         self.tried = np.zeros(n + 1)
         self.n_accept = self.n_reject = 0.0
         self.t_draft = np.nan        # seconds per drafted token
-        self.t_step = 0.0            # seconds per step outside drafting and verifying
+        self.t_step = np.nan         # seconds per step outside drafting and verifying
         self.t_verify = np.full(n + 2, np.nan)  # index n = batch size
         self.measured_at = np.full(n + 2, -1)
+        self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
         self.steps = 0
         self.last_gamma = n
-        self._probes = list(dict.fromkeys(g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2))
-                                          if cfg.gamma_min <= g <= n))
+        # the first step pays for cold caches and first-touch page faults: its times are not
+        # kept, and its γ is probed again last
+        probes = [g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2)) if cfg.gamma_min <= g <= n]
+        self._probes = [*dict.fromkeys(probes), n]
 
     # -- measurements ---------------------------------------------------------------------
 
@@ -100,12 +107,14 @@ class Governor:
         if a < g:  # draft a+1 was rejected; the ones after it were never judged
             self.tried[a + 1] += 1
             self.n_reject += 1
-        if n_drafted > 0:
-            self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
-        self.t_step = _average(self.t_step if self.steps else np.nan, other_s, c.cost_weight)
-        b = min(n_drafted + 1, c.gamma_max + 1)
-        self.t_verify[b] = _average(self.t_verify[b], verify_s, c.cost_weight)
-        self.measured_at[b] = self.steps
+        if self.steps > 0:
+            if n_drafted > 0:
+                self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
+            self.t_step = _average(self.t_step, other_s, c.cost_weight)
+            b = min(n_drafted + 1, c.gamma_max + 1)
+            self._verify_times[b].append(verify_s)
+            self.t_verify[b] = float(np.median(self._verify_times[b]))
+            self.measured_at[b] = self.steps
         self.steps += 1
 
     # -- the model ------------------------------------------------------------------------
@@ -144,7 +153,8 @@ class Governor:
         """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable)."""
         g = np.arange(self.cfg.gamma_max + 1)
         t_draft = 0.0 if np.isnan(self.t_draft) else self.t_draft
-        cost = g * t_draft + np.array([self.verify_cost(int(x) + 1) for x in g]) + self.t_step
+        t_step = 0.0 if np.isnan(self.t_step) else self.t_step
+        cost = g * t_draft + np.array([self.verify_cost(int(x) + 1) for x in g]) + t_step
         with np.errstate(invalid="ignore", divide="ignore"):
             return self.expected_tokens() / cost
 

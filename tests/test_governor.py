@@ -82,11 +82,11 @@ def test_warm_up_probes_then_periodic_probes_next_to_the_best():
     gov = Governor(GovernorConfig(gamma_max=8, probe_every=4, probe_far=1000))
     m = Machine(**MEMORY_BOUND)
     first = []
-    for _ in range(4):
+    for _ in range(5):
         g = gov.next_gamma()
         first.append(g)
         gov.observe(*m.step(g))
-    assert first == [8, 0, 1, 4]
+    assert first == [8, 0, 1, 4, 8]
     chosen = []
     for _ in range(40):
         g = gov.next_gamma()
@@ -108,7 +108,7 @@ def test_far_probes_refresh_the_stalest_measurement():
 
 def test_acceptance_per_position_follows_what_was_accepted():
     gov = Governor(GovernorConfig(gamma_max=4, acceptance_decay=1.0, prior_weight=1e-9))
-    for _ in range(10):
+    for _ in range(10):  # (the first step's times are dropped, its acceptance counts)
         gov.observe(4, 2, 0.004, 0.01)  # drafts 1, 2 accepted, 3 rejected, 4 never judged
     p = gov.acceptance()
     assert p[1] == pytest.approx(1.0) and p[2] == pytest.approx(1.0) and p[3] == pytest.approx(0.0, abs=1e-6)
@@ -118,9 +118,11 @@ def test_acceptance_per_position_follows_what_was_accepted():
 
 
 def test_verify_cost_interpolates_and_extrapolates_the_measured_roofline():
-    gov = Governor(GovernorConfig(gamma_max=8, cost_weight=1.0))
+    gov = Governor(GovernorConfig(gamma_max=8))
     assert np.isnan(gov.verify_cost(3))
-    for n, t in ((1, 0.010), (3, 0.010), (5, 0.030)):
+    gov.observe(8, 8, 1.0, 10.0)  # cold: dropped
+    assert np.isnan(gov.verify_cost(9))
+    for n, t in ((1, 0.010), (3, 0.010), (5, 0.030), (5, 0.5), (5, 0.030)):  # 0.5: a load spike
         gov.observe(n - 1, 0, 0.0, t)
     assert gov.verify_cost(2) == pytest.approx(0.010)
     assert gov.verify_cost(4) == pytest.approx(0.020)
