@@ -48,6 +48,7 @@ class GovernorConfig:
     verify_window: int = 5        # T_verify(n): the median of the last measurements of size n
     prior_acceptance: float = 0.7
     prior_weight: float = 2.0     # pseudo-observations behind α and behind each p_i's shrinkage
+    switch_margin: float = 0.02   # leave the γ in force only for a predicted gain above 2%
     probe_every: int = 16         # every n-th step may try a neighbour of the best γ ...
     probe_margin: float = 0.15    # ... when the model puts it within 15% of the best;
     probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
@@ -81,6 +82,7 @@ class Governor:
         self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
         self.steps = 0
         self.last_gamma = n
+        self.current: int | None = None  # the γ in force (probes aside)
         # the first step pays for cold caches and first-touch page faults: its times are not
         # kept, and its γ is probed again last
         probes = [g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2)) if cfg.gamma_min <= g <= n]
@@ -161,11 +163,17 @@ class Governor:
     # -- the decision ---------------------------------------------------------------------
 
     def best_gamma(self) -> int:
+        """The γ the model puts highest; the one in force stays unless another beats it by more
+        than `switch_margin` (near the top the curve is flat, and noise must not make γ dither)."""
         c = self.cfg
-        tps = self.throughput()[c.gamma_min:]
-        if np.all(np.isnan(tps)):
+        tps = self.throughput()
+        if np.all(np.isnan(tps[c.gamma_min:])):
             return c.gamma_max
-        return c.gamma_min + int(np.nanargmax(tps))
+        best = c.gamma_min + int(np.nanargmax(tps[c.gamma_min:]))
+        keep = self.current
+        if keep is not None and keep != best and not tps[best] > (1 + c.switch_margin) * tps[keep]:
+            return keep
+        return best
 
     def next_gamma(self) -> int:
         """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best."""
@@ -173,7 +181,7 @@ class Governor:
         if self.steps < len(self._probes):
             g = self._probes[self.steps]
         else:
-            g = self.best_gamma()
+            g = self.current = self.best_gamma()
             if c.probe_every and self.steps % c.probe_every == 0:
                 g = self._probe_near(g)
         self.last_gamma = g

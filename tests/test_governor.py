@@ -135,3 +135,14 @@ def test_bad_observations_and_bounds_are_refused():
         GovernorConfig(gamma_max=2, gamma_min=3)
     with pytest.raises(ValueError):
         Governor(GovernorConfig(gamma_max=4)).observe(2, 3, 0.0, 0.0)
+
+
+def test_the_gamma_in_force_stays_unless_another_is_clearly_better():
+    gov = Governor(GovernorConfig(gamma_max=8))
+    run(gov, Machine(**MEMORY_BOUND), 100)
+    tps = gov.throughput()
+    best = int(np.nanargmax(tps))
+    for other in range(9):
+        gov.current = other
+        clearly = tps[best] > 1.02 * tps[other]
+        assert gov.best_gamma() == (best if clearly else other)
