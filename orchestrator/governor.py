@@ -83,6 +83,7 @@ class Governor:
         self.steps = 0
         self.last_gamma = n
         self.current: int | None = None  # the γ in force (probes aside)
+        self._tps: np.ndarray | None = None
         # the first step pays for cold caches and first-touch page faults: its times are not
         # kept, and its γ is probed again last
         probes = [g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2)) if cfg.gamma_min <= g <= n]
@@ -118,6 +119,7 @@ class Governor:
             self.t_verify[b] = float(np.median(self._verify_times[b]))
             self.measured_at[b] = self.steps
         self.steps += 1
+        self._tps = None
 
     # -- the model ------------------------------------------------------------------------
 
@@ -141,22 +143,34 @@ class Governor:
 
     def verify_cost(self, n: int) -> float:
         """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
+        return float(self.verify_costs(np.array([n]))[0])
+
+    def verify_costs(self, n: np.ndarray) -> np.ndarray:
+        """verify_cost for an array of batch sizes, in one pass (this runs every step)."""
         known = np.flatnonzero(~np.isnan(self.t_verify))
         if known.size == 0:
-            return np.nan
+            return np.full(len(n), np.nan)
         t = self.t_verify[known]
-        if known[0] <= n <= known[-1]:
-            return float(np.interp(n, known, t))
-        slope = max(float(np.polyfit(known, t, 1)[0]), 0.0) if known.size > 1 else 0.0
-        edge = 0 if n < known[0] else -1
-        return max(float(t[edge] + slope * (n - known[edge])), 0.0)
+        slope = 0.0
+        if known.size > 1:  # least-squares line through the measurements
+            dx = known - known.mean()
+            slope = max(float(dx @ (t - t.mean()) / (dx @ dx)), 0.0)
+        below = np.maximum(t[0] + slope * (n - known[0]), 0.0)
+        above = t[-1] + slope * (n - known[-1])
+        return np.where(n < known[0], below, np.where(n > known[-1], above, np.interp(n, known, t)))
 
     def throughput(self) -> np.ndarray:
-        """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable)."""
+        """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable);
+        computed once per observed step."""
+        if self._tps is None:
+            self._tps = self._throughput()
+        return self._tps
+
+    def _throughput(self) -> np.ndarray:
         g = np.arange(self.cfg.gamma_max + 1)
         t_draft = 0.0 if np.isnan(self.t_draft) else self.t_draft
         t_step = 0.0 if np.isnan(self.t_step) else self.t_step
-        cost = g * t_draft + np.array([self.verify_cost(int(x) + 1) for x in g]) + t_step
+        cost = g * t_draft + self.verify_costs(g + 1) + t_step
         with np.errstate(invalid="ignore", divide="ignore"):
             return self.expected_tokens() / cost
 
