@@ -239,7 +239,7 @@ def main() -> None:
         default_target, default_draft = default_models()
         target, draft = target or default_target, draft or default_draft
     if target is None or draft is None:
-        sys.exit("no default models (models/MANIFEST.json): pass -m and -md")
+        sys.exit("no default models (orchestrator/models/MANIFEST.json): pass -m and -md")
     n = args.n
     common = dict(model=target, n_ctx=args.ctx_size, n_threads=args.threads, engine=False)
     rows = [spac_row("autoregressive", "—", SessionConfig(**common), n),
