@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.governor import Governor, GovernorConfig
 from orchestrator.llm import USE_EXTRA_BUFTS, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
 from orchestrator.native import DEFAULT_BUDGET_RATIO
@@ -66,7 +67,8 @@ POOL_DRAFT = "pool"
 class SessionConfig:
     model: str | Path
     draft: str | Path | None = None
-    gamma: int = 8
+    gamma: int = 8               # the draft length, or its upper bound with adaptive_gamma
+    adaptive_gamma: bool = True  # γ chosen every step by MoE-SpeQ's governor (orchestrator.governor)
     k_max: int = 4
     lam: float = 0.1
     n_ctx: int = 0               # 0: the target's training context (GGUF context_length)
@@ -150,6 +152,7 @@ class Session:
                                            else max(cfg.gamma + 1, 16), cfg.n_threads)
         self.mode = "speculative" if self.draft is not None else "autoregressive"
         self.gamma = cfg.gamma if self.draft is not None else 0
+        self.governor = Governor(GovernorConfig(gamma_max=self.gamma)) if cfg.adaptive_gamma and self.gamma else None
         self.chat_template = ChatTemplate.from_model(self.target)
         if cfg.engine is not False and self.target.n_expert:
             self._open_engine(cfg)
@@ -289,7 +292,8 @@ class Session:
                 if room < 1:
                     reason = "context"
                     break
-                gamma = min(self.gamma, max_tokens - n_out - 1, room - 1)
+                gamma = self.governor.next_gamma() if self.governor else self.gamma
+                gamma = min(gamma, max_tokens - n_out - 1, room - 1)
                 t_step = time.perf_counter()
                 n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
                 rec.step(n_drafted, n_accepted)
@@ -374,6 +378,8 @@ class Session:
                 shape = (0, self.engine.n_moe_layers, self.engine.n_expert_used)
                 self.last_draft_routing = np.stack(draft_rows) if draft_rows else np.zeros(shape, np.int32)
             self._after_verify(len(drafts), a, t1 - t0, t2 - t1)
+        if self.governor is not None:
+            self.governor.observe(len(drafts), a, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return len(drafts), a, [*drafts[:a], nxt]
 
     def _after_verify(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:

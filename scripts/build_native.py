@@ -3,7 +3,7 @@
 
     python scripts/build_native.py            # CPU + RPC (the test build)
     python scripts/build_native.py --cuda --cuda-arch 86
-    python scripts/build_native.py --stock    # unpatched llama.cpp's llama-simple, for load checks
+    python scripts/build_native.py --stock    # unpatched llama.cpp's llama-simple + llama-speculative-simple
     python scripts/build_native.py --sanitize address --python .venv-asan/bin/python   # see scripts/sanitize.sh
 
 Steps: get the sdist pinned in vendor/llama-cpp-python.lock (pip download, sha256 checked),
@@ -343,33 +343,41 @@ def _extract(sdist: Path, sha: str, tree: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# upstream programs the stock build makes: llama-simple (the load check) and the speculative
+# decoding loop a llama.cpp user already has (the peer of spac's loop in bench/bench_live.py)
+STOCK_TARGETS = ("llama-simple", "llama-speculative-simple")
+
+
 def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
-    """Build upstream's `llama-simple` from the pinned sdist with no patch applied: the proof
-    that the GGUF files spac writes load in stock llama.cpp. Cached under vendor/build/stock-<key>."""
+    """Build upstream's `llama-simple` and `llama-speculative-simple` from the pinned sdist with
+    no patch applied: the proof that the GGUF files spac writes load in stock llama.cpp, and
+    the peer speculative loop. Cached under vendor/build/stock-<key>; returns llama-simple's
+    path (the other programs are beside it)."""
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
              *no_amx_args()]
     key = hashlib.sha256(json.dumps([lock["sha256"], cmake]).encode()).hexdigest()[:10]
     out = VENDOR / "build" / f"stock-{key}"
     exe = out / "bin" / "llama-simple"
-    if exe.exists():
+    if all((out / "bin" / t).exists() for t in STOCK_TARGETS):
         return exe
     sdist = fetch_sdist(lock, python, sdist)
     src = out / "src"
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
-    log(f"building stock llama.cpp's llama-simple in {out.relative_to(ROOT)}")
+    log(f"building stock llama.cpp's {', '.join(STOCK_TARGETS)} in {out.relative_to(ROOT)}")
     with tarfile.open(sdist) as tf:
         tf.extractall(src, filter="data")
     (top,) = list(src.iterdir())
     for cmd in (["cmake", "-S", str(top / LLAMA_CPP_DIR), "-B", str(out), *cmake],
-                ["cmake", "--build", str(out), "--target", "llama-simple", "-j", str(os.cpu_count() or 1)]):
+                ["cmake", "--build", str(out), "--target", *STOCK_TARGETS, "-j", str(os.cpu_count() or 1)]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
     shutil.rmtree(src, ignore_errors=True)
-    if not exe.exists():
-        raise BuildError(f"the stock build produced no {exe}")
+    missing = [t for t in STOCK_TARGETS if not (out / "bin" / t).exists()]
+    if missing:
+        raise BuildError(f"the stock build produced no {', '.join(missing)} in {out / 'bin'}")
     return exe
 
 
@@ -464,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-patches", action="store_true",
                     help="only check that the series applies to a fresh extract (in a temp dir), then stop")
     ap.add_argument("--stock", action="store_true",
-                    help="build unpatched llama.cpp's llama-simple (cached under vendor/build/) and print its path")
+                    help="build unpatched llama.cpp's llama-simple and llama-speculative-simple (cached under "
+                         "vendor/build/) and print llama-simple's path")
     ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
     ap.add_argument("--export-patches", action="store_true",
                     help="write the commits of vendor/llama-cpp-python back to ggml-patches/")

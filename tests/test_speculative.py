@@ -104,7 +104,8 @@ def test_greedy_is_lossless(models, references, tmp_path, gamma, engine):
 def test_engine_ablations_stay_lossless(models, references, tmp_path, ablation):
     if not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=4, engine=True, ablations=Ablations(**{ablation: True})) as s:
+    ablations = Ablations(**{ablation: True})
+    with session(models, tmp_path, gamma=4, engine=True, ablations=ablations, adaptive_gamma=False) as s:
         for prompt, ref in list(zip(prompts(), references))[:3]:
             assert s.complete(prompt, max_tokens=64).tokens == ref[:64]
         m = s.last_metrics
@@ -133,7 +134,7 @@ def test_trace_recording_through_on_step(models, references, tmp_path):
 
 def test_greedy_lossless_with_rejections(models, references, tmp_path):
     """A draft that disagrees often: rejected drafts must be trimmed from both KV caches."""
-    with session(models, tmp_path, draft="other_draft", gamma=4) as s:
+    with session(models, tmp_path, draft="other_draft", gamma=4, adaptive_gamma=False) as s:
         for prompt, ref in list(zip(prompts(), references))[:6]:
             assert s.complete(prompt, max_tokens=N_TOKENS).tokens == ref
         assert s.last_metrics.acceptance_rate < 0.9
@@ -238,7 +239,7 @@ def test_sampling_distribution_matches_target(models, tmp_path, params):
     model.close()
     n_runs = 2000
     firsts = []
-    with session(models, tmp_path, draft="other_draft", gamma=2) as s:
+    with session(models, tmp_path, draft="other_draft", gamma=2, adaptive_gamma=False) as s:  # drafts every step
         for seed in range(n_runs):
             c = s.complete(prompt, max_tokens=3, sampling=dataclasses.replace(params, seed=seed))
             firsts.append(c.tokens[0])
@@ -345,7 +346,8 @@ def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
     the copies made while measuring are not part of the next step's feedback."""
     if not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=4, engine=True, ablations=Ablations(no_prefetch=True)) as s:
+    ablations = Ablations(no_prefetch=True)
+    with session(models, tmp_path, gamma=4, engine=True, ablations=ablations, adaptive_gamma=False) as s:
         s.complete(prompts()[0], max_tokens=16)
         static = s.policy.static
         assert static is not None
@@ -360,3 +362,16 @@ def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
         s.complete(prompts()[1], max_tokens=16)
         s.engine.wait_idle()
         assert s.policy.static is static and (s._resident() == wanted).all()
+
+
+def test_adaptive_gamma_is_lossless_and_bounded(models, references, tmp_path):
+    """The governor (on by default) changes only how many tokens are drafted: the greedy text
+    is the target's, and no step drafts more than the bound."""
+    with session(models, tmp_path, gamma=6) as s:
+        assert s.governor is not None
+        for prompt, ref in list(zip(prompts(), references))[:4]:
+            assert s.complete(prompt, max_tokens=N_TOKENS).tokens == ref
+        g = s.governor
+        assert g.steps > 0 and 0 <= g.last_gamma <= 6 and 0 <= g.best_gamma() <= 6
+    with session(models, tmp_path, gamma=6, adaptive_gamma=False) as s:
+        assert s.governor is None

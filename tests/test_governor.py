@@ -1,0 +1,148 @@
+"""The adaptive draft length (orchestrator.governor) on simulated targets: no model, no timing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.governor import Governor, GovernorConfig
+
+
+class Machine:
+    """A simulated target + draft: verify(n) = base + per_token·max(0, n − knee) seconds
+    (the roofline: flat while memory-bound), draft per token, geometric acceptance α."""
+
+    def __init__(self, base: float, per_token: float, knee: int, draft: float, alpha: float, seed: int = 0):
+        self.base, self.per_token, self.knee, self.draft, self.alpha = base, per_token, knee, draft, alpha
+        self.rng = np.random.default_rng(seed)
+
+    def verify(self, n: int) -> float:
+        return self.base + self.per_token * max(0, n - self.knee)
+
+    def step(self, gamma: int) -> tuple[int, int, float, float, float]:
+        a = 0
+        while a < gamma and self.rng.random() < self.alpha:
+            a += 1
+        return gamma, a, gamma * self.draft, self.verify(gamma + 1), 0.0
+
+    def expected_rate(self, gamma: int) -> float:
+        tokens = sum(self.alpha ** i for i in range(gamma + 1))
+        return tokens / (gamma * self.draft + self.verify(gamma + 1))
+
+
+def run(gov: Governor, m: Machine, steps: int) -> float:
+    tokens, seconds = 0, 0.0
+    for _ in range(steps):
+        g, a, d, v, o = m.step(gov.next_gamma())
+        gov.observe(g, a, d, v, o)
+        tokens += a + 1
+        seconds += d + v + o
+    return tokens / seconds
+
+
+MEMORY_BOUND = dict(base=0.100, per_token=0.020, knee=8, draft=0.002, alpha=0.9)   # verify streams weights
+COMPUTE_BOUND = dict(base=0.001, per_token=0.001, knee=1, draft=0.0009, alpha=0.6)  # the tiny target's regime
+
+
+@pytest.mark.parametrize("machine", [MEMORY_BOUND, COMPUTE_BOUND], ids=["memory-bound", "compute-bound"])
+def test_adaptive_gamma_is_within_3_percent_of_the_best_fixed_gamma(machine):
+    m = Machine(**machine, seed=1)
+    best = max(m.expected_rate(g) for g in range(9))
+    rate = run(Governor(GovernorConfig(gamma_max=8)), m, 3000)
+    assert rate >= 0.97 * best
+
+
+def test_memory_bound_target_with_a_good_draft_drafts_long():
+    m = Machine(**MEMORY_BOUND)
+    gov = Governor(GovernorConfig(gamma_max=8))
+    run(gov, m, 200)
+    assert gov.best_gamma() >= 6
+    assert gov.alpha == pytest.approx(0.9, abs=0.06)
+
+
+def test_compute_bound_target_with_a_weak_draft_stops_drafting():
+    m = Machine(base=0.001, per_token=0.001, knee=1, draft=0.0009, alpha=0.2)
+    gov = Governor(GovernorConfig(gamma_max=8))
+    run(gov, m, 200)
+    assert gov.best_gamma() == 0
+
+
+def test_gamma_min_and_max_bound_every_choice():
+    m = Machine(base=0.001, per_token=0.001, knee=1, draft=0.0009, alpha=0.2)
+    gov = Governor(GovernorConfig(gamma_max=5, gamma_min=2, probe_every=3))
+    seen = set()
+    for _ in range(100):
+        g = gov.next_gamma()
+        seen.add(g)
+        gov.observe(*m.step(g))
+    assert seen <= set(range(2, 6)) and 2 in seen
+
+
+def test_warm_up_probes_then_periodic_probes_next_to_the_best():
+    gov = Governor(GovernorConfig(gamma_max=8, probe_every=4, probe_far=1000))
+    m = Machine(**MEMORY_BOUND)
+    first = []
+    for _ in range(5):
+        g = gov.next_gamma()
+        first.append(g)
+        gov.observe(*m.step(g))
+    assert first == [8, 0, 1, 4, 8]
+    chosen = []
+    for _ in range(40):
+        g = gov.next_gamma()
+        chosen.append(g)
+        gov.observe(*m.step(g))
+    best = gov.best_gamma()
+    assert chosen.count(best) >= 25 and all(abs(g - best) <= 1 for g in chosen[8:])
+
+
+def test_far_probes_refresh_the_stalest_measurement():
+    gov = Governor(GovernorConfig(gamma_max=8, probe_every=2, probe_far=2))
+    m = Machine(**MEMORY_BOUND)
+    for _ in range(200):
+        gov.observe(*m.step(gov.next_gamma()))
+    best = max(m.expected_rate(g) for g in range(9))
+    close = [g for g in range(9) if m.expected_rate(g) > 0.6 * best]
+    assert len(close) > 3 and (gov.measured_at[[g + 1 for g in close]] >= 200 - 2 * 2 * 9 - 4).all()
+
+
+def test_acceptance_per_position_follows_what_was_accepted():
+    gov = Governor(GovernorConfig(gamma_max=4, acceptance_decay=1.0, prior_weight=1e-9))
+    for _ in range(10):  # (the first step's times are dropped, its acceptance counts)
+        gov.observe(4, 2, 0.004, 0.01)  # drafts 1, 2 accepted, 3 rejected, 4 never judged
+    p = gov.acceptance()
+    assert p[1] == pytest.approx(1.0) and p[2] == pytest.approx(1.0) and p[3] == pytest.approx(0.0, abs=1e-6)
+    assert p[4] == pytest.approx(gov.alpha)  # unobserved: the geometric rate
+    assert gov.alpha == pytest.approx(2 / 3)
+    assert gov.expected_tokens()[:4] == pytest.approx([1, 2, 3, 3])
+
+
+def test_verify_cost_interpolates_and_extrapolates_the_measured_roofline():
+    gov = Governor(GovernorConfig(gamma_max=8))
+    assert np.isnan(gov.verify_cost(3))
+    gov.observe(8, 8, 1.0, 10.0)  # cold: dropped
+    assert np.isnan(gov.verify_cost(9))
+    for n, t in ((1, 0.010), (3, 0.010), (5, 0.030), (5, 0.5), (5, 0.030)):  # 0.5: a load spike
+        gov.observe(n - 1, 0, 0.0, t)
+    assert gov.verify_cost(2) == pytest.approx(0.010)
+    assert gov.verify_cost(4) == pytest.approx(0.020)
+    slope = np.polyfit([1, 3, 5], [0.010, 0.010, 0.030], 1)[0]
+    assert gov.verify_cost(9) == pytest.approx(0.030 + 4 * slope)
+
+
+def test_bad_observations_and_bounds_are_refused():
+    with pytest.raises(ValueError):
+        GovernorConfig(gamma_max=2, gamma_min=3)
+    with pytest.raises(ValueError):
+        Governor(GovernorConfig(gamma_max=4)).observe(2, 3, 0.0, 0.0)
+
+
+def test_the_gamma_in_force_stays_unless_another_is_clearly_better():
+    gov = Governor(GovernorConfig(gamma_max=8))
+    run(gov, Machine(**MEMORY_BOUND), 100)
+    tps = gov.throughput()
+    best = int(np.nanargmax(tps))
+    for other in range(9):
+        gov.current = other
+        clearly = tps[best] > 1.02 * tps[other]
+        assert gov.best_gamma() == (best if clearly else other)
