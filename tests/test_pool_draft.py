@@ -30,8 +30,9 @@ N_TOKENS = 48
 
 
 def pool_session(path, tmp_path, draft=POOL_DRAFT, **kw) -> Session:
-    cfg = dict(model=path, draft=draft, gamma=4, n_ctx=256, n_threads=1, engine=True, budget_ratio=0.5,
-               calibration_cache=tmp_path / "cal.json")
+    # a fixed γ: the governor may rightly stop drafting on a random model, and these tests need drafts
+    cfg = dict(model=path, draft=draft, gamma=4, adaptive_gamma=False, n_ctx=256, n_threads=1, engine=True,
+               budget_ratio=0.5, calibration_cache=tmp_path / "cal.json")
     cfg.update(kw)
     return Session(SessionConfig(**cfg))
 
