@@ -13,6 +13,9 @@ Without a draft, decoding is autoregressive. Bad input is one line on stderr and
 Ctrl-C is `stop: interrupted` and exit code 130.
 
 The `spac sim`, `spac trace` and `spac draft` groups come from their modules, mounted at the end.
+
+Why ~410 lines: the four commands and chat's interactive loop (live status, Ctrl-C handling);
+the shared options are in options.py, the server in server/.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ from `gguf`'s constants, never re-typed.
 
 Every file is written to a temporary name beside its destination and renamed when complete,
 so a failure never leaves a half-written model behind.
+
+Why ~450 lines: the model config, its tensor shapes and the writer must agree tensor by tensor
+for four architectures; the tokenizer (tokenizer.py) and the draft slicer (hot_experts.py) are
+separate.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@
 The functions live in the same libllama that llama-cpp-python loads, so they are bound to
 its handle. `ExpertEngine` owns one `spac_engine`; routing is read through numpy views of
 the context's host buffer (no copies).
+
+Why ~410 lines: one ctypes binding per C function of spac.h, the two wrappers that own native
+memory (ExpertEngine, Routing), and `rpc_device`, the RPC server on 127.0.0.1 that stands in
+for a GPU in tests and benches.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ nothing (`spac generate --dry-run`). Also:
 
     fail("--temp must be a finite number")      # "spac: error: ..." on stderr, exit 2
     check_output(dst, force, inputs=[src])      # the output is not the input, nor exists unless --force
+
+Why ~430 lines: every shared flag, its check and its error text sit in one table here so that
+no command re-declares them; placement (placement.py) and the commands (cli.py) are separate.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ sequence (chat turns re-render the whole conversation and pay only for the new p
 
 Greedy decoding is token-identical to target-only greedy decoding: the verify pass computes the
 same logits a single-token decode would, and the accepted tokens are the target's argmax.
+
+Why one module of ~500 lines: the session's state (token sequence, two KV caches, plan in
+force, governor, draft routing) is shared by every step of the loop; the maths (sampling.py),
+the text (text.py), the policies and the engine bindings live elsewhere.
 """
 
 from __future__ import annotations

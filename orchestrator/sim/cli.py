@@ -5,6 +5,9 @@
 
 Without `--trace`, the simulator replays a synthetic trace with the target model's shape
 (calibrated for Qwen3-30B-A3B; the same dynamics, uncalibrated, for the other models).
+
+Why ~400 lines: one typer command per simulator experiment with its table and plot; the
+experiments themselves are in experiments.py.
 """
 
 from __future__ import annotations
