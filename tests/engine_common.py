@@ -1,6 +1,11 @@
-"""Helpers shared by the engine tests: a small MoE shape and a fixed decode sequence."""
+"""Helpers shared by the engine tests: a small MoE shape, a fixed decode sequence, and checks
+that run in a process of their own beside an RPC server."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -26,3 +31,19 @@ def run_sequence(ctx: Context) -> np.ndarray:
         ctx.decode([t])
         out.append(ctx.logits().copy())
     return np.concatenate(out)
+
+
+def run_in_own_process(test_file: str, tmp_path: Path) -> None:
+    """Run `python test_file tmp_path` (its __main__ calls `rpc_main`): an RPC client in its own
+    process, so a failure there cannot take the test session down. Fails with its output."""
+    res = subprocess.run([sys.executable, test_file, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         cwd=Path(test_file).parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def rpc_main(check) -> None:
+    """A test file's __main__: check(device, Path(argv[1])) with an RPC server on 127.0.0.1."""
+    from orchestrator.native import rpc_device
+
+    with rpc_device() as device:
+        check(device, Path(sys.argv[1]))

@@ -9,17 +9,13 @@ gone every later model load in the process would try to reach it.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from orchestrator.gguf_export import make_random_model
-from orchestrator.native import graph_n_crossings, graph_n_splits, rpc_device
+from orchestrator.native import graph_n_crossings, graph_n_splits
 from orchestrator.plan import Plan
 
-from engine_common import PROMPT, model_config, run_sequence
+from engine_common import PROMPT, model_config, rpc_main, run_in_own_process, run_sequence
 
 
 def check_pool_on_rpc_device(rpc_device, tmp_path):
@@ -63,13 +59,8 @@ def check_pool_on_rpc_device(rpc_device, tmp_path):
 
 
 def test_pool_on_rpc_device_matches_feature_off(tmp_path):
-    res = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).parent)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "rpc check passed" in res.stdout
+    run_in_own_process(__file__, tmp_path)
 
 
 if __name__ == "__main__":
-    with rpc_device() as device:
-        check_pool_on_rpc_device(device, Path(sys.argv[1]))
-    print("rpc check passed")
+    rpc_main(check_pool_on_rpc_device)

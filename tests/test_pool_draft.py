@@ -21,6 +21,7 @@ from orchestrator.llm import Context, Model
 from orchestrator.native import ExpertEngine, NativeError, Routing, engine_built
 from orchestrator.plan import Plan
 from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig
+from engine_common import rpc_main, run_in_own_process
 from test_engine_archs import ARCHS, arch_models  # noqa: F401 - the module-scoped fixture
 from test_speculative import models, prompts, target_greedy  # noqa: F401
 
@@ -238,20 +239,8 @@ def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:
 
 
 def test_pool_draft_on_rpc_device(tmp_path):
-    import subprocess
-    import sys
-
-    res = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).parent)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "rpc pool draft check passed" in res.stdout
+    run_in_own_process(__file__, tmp_path)
 
 
 if __name__ == "__main__":
-    import sys
-
-    from orchestrator.native import rpc_device
-
-    with rpc_device() as dev:
-        check_pool_draft_on_rpc_device(dev, Path(sys.argv[1]))
-    print("rpc pool draft check passed")
+    rpc_main(check_pool_draft_on_rpc_device)
