@@ -403,15 +403,10 @@ def quantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], quan
     src = Path(src)
     if not src.is_file():
         raise FileNotFoundError(src)
-    import llama_cpp  # optional: built from the pinned sdist
+    from orchestrator.llm import quantize  # llama-cpp-python: built from the pinned sdist, optional here
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = int(ft)
-    params.nthread = n_threads
     with atomic_path(dst) as tmp:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({src.name} -> {quant}) failed with code {rc}")
+        quantize(src, tmp, int(ft), n_threads, what=f"{src.name} -> {quant}")
     return Path(dst)
 
 

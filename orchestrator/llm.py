@@ -110,6 +110,16 @@ class _TensorBuftOverride(ctypes.Structure):
 _EXPERTS_PATTERN = rb"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
 
+def quantize(src: Path, dst: Path, ftype: int, n_threads: int = 0, what: str = "") -> None:
+    """llama.cpp's quantizer: write src re-quantized to file type `ftype` (a llama_ftype) to dst."""
+    params = L.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = n_threads
+    rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({what or Path(src).name}) failed with code {rc}")
+
+
 class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
