@@ -111,12 +111,11 @@ COMBINATIONS: dict[str, tuple[str, str, str, str]] = {
     "moe-spac-paper": ("utility", "host", "pass", "tau"),
     DEFAULT: ("spac", "greedy", "draft", "resident"),
     "belady": ("belady", "host", "pass", "resident"),
-    "lru/host": ("lru/layer", "host", "pass", "resident"),
-    "lfu/host": ("lfu", "host", "pass", "resident"),
-    "least-stale/host": ("least-stale", "host", "pass", "resident"),
-    "score/host": ("score (decay)", "host", "pass", "resident"),
-    "lookahead/host": ("lookahead", "host", "draft", "resident"),
-    "spac/host": ("spac", "host", "draft", "resident"),
+    # the zoo: each ranking (and its prefetch window) with host compute on miss, whole experts resident
+    **{name: (ranking, "host", window, "resident") for name, ranking, window in (
+        ("lru/host", "lru/layer", "pass"), ("lfu/host", "lfu", "pass"), ("least-stale/host", "least-stale", "pass"),
+        ("score/host", "score (decay)", "pass"), ("lookahead/host", "lookahead", "draft"),
+        ("spac/host", "spac", "draft"))},
 }
 
 ALIASES = {"utility/host": "moe-spac-paper", "belady/host": "belady"}  # zoo rows that are systems already
