@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import signal
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_TREE = ROOT / "vendor" / "llama-cpp-python" / "vendor" / "llama.cpp"
 NATIVE_BUILD = ROOT / "build" / "tests"
+
+
+def pytest_configure(config):
+    # a run started in the background of a non-interactive shell inherits SIGINT ignored, and so
+    # would every CLI the tests start: the Ctrl-C tests need Python's default handler
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def llama_lib_dir() -> Path:
