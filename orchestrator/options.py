@@ -152,7 +152,8 @@ OPTIONS: dict[str, _Opt] = {
         "else pool when the expert pool is on]", show_default=False)),
     "draft_max": _Opt("model", int, 8, typer.Option(
         "--spec-draft-n-max", "--draft-max",
-        help="most draft tokens per verification step; γ adapts below it every step (MoE-SpeQ's governor); 0 = no draft")),
+        help="most draft tokens per verification step; greedy: γ adapts below it every step (MoE-SpeQ's governor), "
+        "sampling: γ is this bound (the same seed gives the same text); 0 = no draft")),
     "expert_budget": _Opt("model", Optional[str], None, typer.Option(
         "--expert-budget", help="device pool: bytes (512M, 2GiB) or % of all experts \\[default: the free device "
         "memory left after the non-expert weights, the KV cache and a margin; 25% on --device CPU]",

@@ -72,7 +72,7 @@ class SessionConfig:
     model: str | Path
     draft: str | Path | None = None
     gamma: int = 8               # the draft length, or its upper bound with adaptive_gamma
-    adaptive_gamma: bool = True  # γ chosen every step by MoE-SpeQ's governor (orchestrator.governor)
+    adaptive_gamma: bool = True  # greedy: γ chosen every step by MoE-SpeQ's governor (orchestrator.governor)
     k_max: int = 4
     lam: float = 0.1
     n_ctx: int = 0               # 0: the target's training context (GGUF context_length)
@@ -296,7 +296,10 @@ class Session:
                 if room < 1:
                     reason = "context"
                     break
-                gamma = self.governor.next_gamma() if self.governor else self.gamma
+                # γ from measured times only when greedy: sampling consumes the seeded random
+                # stream per drafted token, so the same seed must see the same γ to give the same text
+                adaptive = self.governor is not None and sampling.greedy
+                gamma = self.governor.next_gamma() if adaptive else self.gamma
                 gamma = min(gamma, max_tokens - n_out - 1, room - 1)
                 t_step = time.perf_counter()
                 n_drafted, n_accepted, new = self._step(gamma, sampling, rng)

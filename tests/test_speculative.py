@@ -375,3 +375,15 @@ def test_adaptive_gamma_is_lossless_and_bounded(models, references, tmp_path):
         assert g.steps > 0 and 0 <= g.last_gamma <= 6 and 0 <= g.best_gamma() <= 6
     with session(models, tmp_path, gamma=6, adaptive_gamma=False) as s:
         assert s.governor is None
+
+
+def test_seeded_sampling_drafts_a_fixed_gamma(models, tmp_path):
+    """γ chosen from measured times would change how much of the seeded random stream each step
+    takes: with sampling, the governor stands aside and the same seed gives the same text."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    with session(models, tmp_path, gamma=6) as s:
+        s.complete(prompts()[1], max_tokens=48)  # greedy: the governor measures and moves γ
+        first = s.complete(prompts()[0], max_tokens=48, sampling=params)
+        again = s.complete(prompts()[0], max_tokens=48, sampling=params)
+        assert again.text == first.text
+        assert (again.metrics.n_steps, again.metrics.n_drafted) == (first.metrics.n_steps, first.metrics.n_drafted)
