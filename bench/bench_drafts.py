@@ -67,8 +67,10 @@ def run_one(args) -> dict:
     from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig
 
     draft = {"none": None, "pool": POOL_DRAFT}.get(args.draft, args.draft)
-    cfg = SessionConfig(model=args.model, draft=draft, gamma=args.gamma, n_ctx=1024, n_threads=args.threads,
-                        engine=True, device=args.device, budget_ratio=args.budget,
+    # a fixed γ: the drafts are compared at the same draft length (the governor would stop drafting
+    # wherever a draft costs about as much as the target, as the pool draft does on a CPU "device")
+    cfg = SessionConfig(model=args.model, draft=draft, gamma=args.gamma, adaptive_gamma=False, n_ctx=1024,
+                        n_threads=args.threads, engine=True, device=args.device, budget_ratio=args.budget,
                         calibration_cache=Path(args.tmp) / f"cal-{Path(str(args.draft)).name}-{args.budget}.json")
     out: dict = {"draft": args.draft, "budget": args.budget}
     with Session(cfg) as s:
