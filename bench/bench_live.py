@@ -7,9 +7,15 @@ Rows (greedy; the same target, draft, prompts, threads and context for all):
     spac γ=k                 all-host speculative, fixed γ (one row per --gammas value)
     llama.cpp γ=k            upstream's llama-speculative-simple, stock and unpatched
                              (`scripts/build_native.py --stock`), same files, γ = --draft-max
-    RPC rows (--rpc)         the expert pool on the RPC device on 127.0.0.1 (server 1 thread,
-                             host 1 thread) at 25% and 50% budget: static placement (llama.cpp's
-                             --n-cpu-moe) + speculative, and spac's default policy + speculative
+    RPC rows (--rpc)         the RPC device on 127.0.0.1 (server 1 thread, host 1 thread) plays the
+                             GPU: every layer's non-expert weights on it (llama.cpp's -ngl 99) and
+                             the expert pool at 25% and 50% of the experts: static placement
+                             (llama.cpp's --n-cpu-moe) + speculative, and spac's default policy +
+                             speculative
+
+Thread accounting: the RPC server's core is the GPU, so a fair all-host row is the host alone:
+run the RPC comparison with `-t 1` (every all-host row on the one host core, as a user without
+the GPU would). With `-t 2` the all-host rows get the "GPU's" core too.
 
 Every spac row's text must equal the autoregressive row's, and llama.cpp's text must start with
 it (it may run a few tokens past -n); a difference is printed and fails the run. Prompts are
@@ -19,6 +25,7 @@ reported: CPU time used by other processes during the run, from /proc/stat.
     python bench/bench_live.py -m runs/mb/olmoe-bytes-f16.gguf      # memory-bound target
     python bench/bench_live.py                                      # the shipped tiny target
     python bench/bench_live.py -m T.gguf -md D.gguf --draft-max 8 --gammas 2,4,8 -n 64 --prompts 8
+    python bench/bench_live.py -m runs/mb/olmoe-bytes-f16.gguf --rpc -t 1 --gammas '' --no-llama
 """
 
 from __future__ import annotations
@@ -142,15 +149,16 @@ BUDGETS = (0.25, 0.5)
 
 
 def rpc_rows(common: dict, draft: Path, gamma: int, n: int, device: str, cache_dir: Path) -> list[Row]:
-    """The expert pool on the RPC device (server 1 thread, host 1 thread), at each budget:
-    static placement (llama.cpp's --n-cpu-moe: whole layers on the device, the first ones on
-    the host) + speculative, and spac's default policy + speculative. Both draft with the
-    adaptive γ; only the placement differs."""
+    """The RPC device (server 1 thread, host 1 thread) holding every layer's non-expert weights
+    and the expert pool, at each budget: static placement (llama.cpp's --n-cpu-moe: whole layers
+    on the device, the first ones on the host) + speculative, and spac's default policy +
+    speculative. Both draft on the host with the adaptive γ; only the placement differs."""
     from orchestrator.policies.static import StaticPlacement
 
     rows = []
     for budget in BUDGETS:
-        cfg = SessionConfig(**{**common, "n_threads": 1, "engine": True}, draft=draft, gamma=gamma, device=device,
+        cfg = SessionConfig(**{**common, "n_threads": 1, "engine": True}, n_gpu_layers=-1, draft=draft, gamma=gamma,
+                            device=device,
                             budget_ratio=budget, calibration_cache=cache_dir / f"cal-{budget}.json")
         rows.append(spac_row(f"RPC {budget:.0%} static + speculative", f"≤{gamma}", cfg, n, StaticPlacement))
         rows.append(spac_row(f"RPC {budget:.0%} spac default + speculative", f"≤{gamma}", cfg, n))
