@@ -158,8 +158,7 @@ def rpc_rows(common: dict, draft: Path, gamma: int, n: int, device: str, cache_d
     rows = []
     for budget in BUDGETS:
         cfg = SessionConfig(**{**common, "n_threads": 1, "engine": True}, n_gpu_layers=-1, draft=draft, gamma=gamma,
-                            device=device,
-                            budget_ratio=budget, calibration_cache=cache_dir / f"cal-{budget}.json")
+                            device=device, budget_ratio=budget, calibration_cache=cache_dir / f"cal-{budget}.json")
         rows.append(spac_row(f"RPC {budget:.0%} static + speculative", f"≤{gamma}", cfg, n, StaticPlacement))
         rows.append(spac_row(f"RPC {budget:.0%} spac default + speculative", f"≤{gamma}", cfg, n))
     return rows

@@ -24,7 +24,7 @@ PRESETS: dict[str, ModelConfig] = {
         n_ff=6144, n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=40960, rope_freq_base=1e6,
         rms_norm_eps=1e-6, name="synthetic-Qwen3-30B-A3B"),
     # Mixtral's dimensions on qwen3moe's graph (the writer has no llama-arch MoE; the q/k norms
-    # this adds are d-sized vectors): few, wide experts, so expert work dominates a verify pass.
+    # this adds are head_dim-sized vectors): few, wide experts, so expert work dominates a verify pass.
     "mixtral-8x7b": ModelConfig(
         arch="qwen3moe", n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, head_dim=128,
         n_ff=14336, n_expert=8, n_expert_used=2, n_ff_exp=14336, n_ctx_train=32768, rope_freq_base=1e6,
