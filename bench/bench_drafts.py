@@ -116,7 +116,7 @@ def memory_check(args) -> None:
         from orchestrator.llm import Context, Model
         from orchestrator.native import ExpertEngine
 
-        model = Model(args.model, use_extra_bufts=False)
+        model = Model(args.model, repack="off")
         ctx = Context(model, n_ctx=args.n_ctx, n_batch=64, n_threads=args.threads)
         engine = ExpertEngine(ctx.ptr, args.model, budget_ratio=args.budget)
         from orchestrator.plan import Plan
@@ -232,7 +232,7 @@ def make_hot_draft(target: Path, d: Path, threads: int) -> Path:
     from orchestrator.native import Routing
 
     cfg = read_config(target)
-    model = Model(target, use_extra_bufts=False)
+    model = Model(target, repack="off")
     ctx = Context(model, n_ctx=1024, n_batch=256, n_threads=threads)
     routing = Routing(ctx.ptr, cfg.n_expert_used)
     counts = np.zeros((cfg.n_layer, cfg.n_expert), np.int64)

@@ -13,7 +13,7 @@ plus the host's experts), printed as "floor at this split" = host half alone / a
 OLMoE's attention is a large share of a 9-token pass on a CPU (its 4·d² projections see all 9
 tokens, each expert about 1); Mixtral's wide experts make the expert work dominate.
 
-Weights load without llama.cpp's repacking (use_extra_bufts=False): the pool's experts are plain
+Weights load without llama.cpp's repacking (repack="off"): the pool's experts are plain
 copies from the file, so the host experts then run the same kernels and the RPC "device" is as
 fast per expert as the host. Repacked, the host's Q4_0 experts run about 2x faster on an
 AVX512-VNNI CPU: a GPU pool would not notice, a CPU-emulated device would look slow.
@@ -152,7 +152,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:
         cfg = PRESETS[args.preset]
         path = args.model or synthetic_layers(Path(tmp), args.preset, args.n_layer)
-        model = Model(path, use_extra_bufts=False)  # the pool and the host experts on the same kernels
+        model = Model(path, repack="off")  # the pool and the host experts on the same kernels
         freq = routing_freq(model, args.threads, cfg.n_expert, cfg.n_expert_used)
         L, E = freq.shape
         utility = utility_from_share(freq)

@@ -108,7 +108,8 @@ def _run_info(session, setup, opts: RunOptions) -> dict:
             "pool_device": session.cfg.device if session.engine is not None else None,
             "budget_bytes": session.cfg.budget_bytes, "budget_ratio": session.cfg.budget_ratio,
             "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,
-            "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers, "n_threads": session.cfg.n_threads}
+            "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers, "n_threads": session.cfg.n_threads,
+            "host_layout": session.target.layout.to_dict(), "host_layout_summary": session.target.layout_report()}
 
 
 def _write(text: str) -> None:

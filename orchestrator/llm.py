@@ -70,10 +70,10 @@ def _silence_logs() -> None:
     L.llama_log_set(_quiet_log, ctypes.c_void_p())
 
 
-# llama.cpp's extra CPU buffer types (weight repacking, AMX) stay off by default: the expert pool
-# and the host experts then run the same kernels on the same layout, and the AMX path crashes on
-# small quantized matrices (seen on the tiny Q4_0/Q8_0 models, upstream 0c1e570, a Xeon with AMX)
-USE_EXTRA_BUFTS = False
+# the host weights' layout (orchestrator.host_layout): "auto" repacks each tensor type where this
+# CPU's measurement says decoding is faster repacked; "on" is llama.cpp's default (every weight its
+# extra CPU buffer types take), "off" the plain layout (the test device's bit-identical checks)
+DEFAULT_REPACK = "auto"
 
 
 @contextmanager
@@ -123,21 +123,28 @@ def quantize(src: Path, dst: Path, ftype: int, n_threads: int = 0, what: str = "
 class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, use_extra_bufts: bool = USE_EXTRA_BUFTS,
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
                  verbose: bool = False, check_tensors: bool = False):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
-        stay in host RAM (the expert pool holds device copies). check_tensors: llama.cpp's
-        validation of every tensor's data (NaN/Inf) on load."""
+        stay in host RAM (the expert pool holds device copies). repack: the host weights' layout,
+        auto | on | off (`host_layout`; auto measures with n_threads, the contexts' threads).
+        check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load."""
         global _load_errors
+        from orchestrator import host_layout
+
         self.path = check_gguf(path)
         self.ptr = None
         init_backend(verbose)
+        self.layout = host_layout.choose(self.path, n_threads, repack, offloaded=n_gpu_layers != 0)
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.use_extra_bufts = use_extra_bufts
+        params.use_extra_bufts = self.layout.use_extra_bufts
         params.check_tensors = check_tensors
-        if n_gpu_layers != 0:
-            self._overrides = (_TensorBuftOverride * 2)(_TensorBuftOverride(_EXPERTS_PATTERN, _cpu_buffer_type()))
+        overrides = self.layout.overrides()
+        if n_gpu_layers != 0:  # llama.cpp's --cpu-moe (plain unless --repack on: see host_layout)
+            overrides.append((_EXPERTS_PATTERN, _cpu_buffer_type()))
+        if overrides:
+            self._overrides = (_TensorBuftOverride * (len(overrides) + 1))(*(_TensorBuftOverride(*o) for o in overrides))
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         with deferred_sigint() as interrupted:
             progress = L.llama_progress_callback(lambda p, user_data: not interrupted())  # False aborts the load
@@ -156,9 +163,17 @@ class Model:
             bad = [e.split(": ", 1)[-1] for e in errors if "has invalid data" in e]  # --check-tensors
             why = ", ".join(bad[:3]) + " (NaN or Inf)" if bad else (errors[-1].split(": ")[-1] if errors else "")
             raise ModelError(f"llama.cpp could not load {self.path}: {why or 'corrupt file or unsupported architecture'}")
+        twin_types = self.layout.plain_prefill_types()
+        if twin_types:  # decoding on the repacked layout, prefill on the file's (host_layout)
+            from orchestrator.native import model_plain_twins
+
+            self.layout.n_plain_twins = model_plain_twins(self.ptr, self.path, host_layout.PREFILL_MIN_TOKENS, twin_types)
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_layer = int(L.llama_model_n_layer(self.ptr))
+
+    def layout_report(self) -> str:
+        return self.layout.report()
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)

@@ -114,6 +114,8 @@ def _bind():
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
         "graph_n_splits": fn("spac_graph_n_splits", c_int32, ctx_p),
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
+        "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),
+                                c_int32, c_char_p, c_size_t),
     }
 
 
@@ -158,6 +160,18 @@ def _ctx_ptr(ctx) -> c_void_p:
 def graph_n_splits(ctx) -> int:
     """Scheduler splits of the context's last computed graph (one per run on one backend)."""
     return int(lib()["graph_n_splits"](_ctx_ptr(ctx)))
+
+
+def model_plain_twins(model_ptr, model_path: Path, min_tokens: int, ggml_types: list[int]) -> int:
+    """Give the model's repacked weights of these types plain twins, read from the file, for
+    matmuls of at least min_tokens rows (spac.h spac_model_plain_twins); the number twinned."""
+    types = (c_int32 * max(len(ggml_types), 1))(*ggml_types)
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    n = lib()["model_plain_twins"](_ctx_ptr(model_ptr), str(model_path).encode(), min_tokens, types, len(ggml_types),
+                                   err, _ERR_LEN)
+    if n < 0:
+        raise NativeError(err.value.decode(errors="replace"))
+    return int(n)
 
 
 def graph_n_crossings(ctx) -> int:

@@ -166,6 +166,10 @@ OPTIONS: dict[str, _Opt] = {
         "'auto' (what fits in free device memory)")),
     "threads": _Opt("model", int, _DEFAULT_THREADS, typer.Option(
         "-t", "--threads", help="CPU threads; <= 0 = the default (as llama.cpp)")),
+    "repack": _Opt("model", str, "auto", typer.Option(
+        "--repack", help="host weights' layout: auto (per tensor type, measured on this CPU: llama.cpp's repacked "
+        "kernels where they decode faster, the file's plain layout for prompts where that is faster; the experts "
+        "of a GPU run stay plain), on (llama.cpp's default: repack every weight it can), off (the file's layout)")),
     "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
     "engine": _Opt("model", Optional[bool], None, typer.Option(
         "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
@@ -197,6 +201,7 @@ class RunOptions:
     device: str | None = None
     n_gpu_layers: str = "auto"  # "auto", "all" or a number
     threads: int = _DEFAULT_THREADS
+    repack: str = "auto"         # auto | on | off (orchestrator.host_layout)
     ctx_size: int = 0
     engine: bool | None = None
     check_tensors: bool = False
@@ -227,6 +232,9 @@ class RunOptions:
                 fail(f"--draft must be pool or none (or -md FILE for a draft model), got {v['draft']!r}")
             if v["draft"] == "pool" and v["model_draft"] is not None:
                 fail("--draft pool and -md/--model-draft are exclusive: the pool draft is the target itself")
+        v["repack"] = str(v["repack"]).strip().lower()
+        if v["repack"] not in ("auto", "on", "off"):
+            fail(f"--repack must be auto, on or off, got {v['repack']!r}")
         if v["ctx_size"] < 0:
             fail(f"-c/--ctx-size must be >= 0 (0: the model's), got {v['ctx_size']}")
         if v["top_k"] < 0:
@@ -246,7 +254,7 @@ class RunOptions:
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
         return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budget,
-                   device=v["device"], n_gpu_layers=ngl, threads=threads, ctx_size=v["ctx_size"], engine=v["engine"],
+                   device=v["device"], n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], engine=v["engine"],
                    check_tensors=v["check_tensors"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
                    stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))
@@ -418,7 +426,7 @@ def session_setup(opts: RunOptions) -> Setup:
     elif draft == POOL_DRAFT:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
     cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_threads=opts.threads,
-                        n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
+                        repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors)
     return Setup(cfg, notes, off)

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.governor import Governor, GovernorConfig
-from orchestrator.llm import USE_EXTRA_BUFTS, Context, Model, ModelError
+from orchestrator.llm import DEFAULT_REPACK, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
 from orchestrator.native import DEFAULT_BUDGET_RATIO
 from orchestrator.plan import Plan, StepRouting
@@ -80,7 +80,7 @@ class SessionConfig:
     n_threads: int = 2
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
-    use_extra_bufts: bool = USE_EXTRA_BUFTS
+    repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.host_layout)
     engine: bool | None = None   # None: on when the native engine is built, else off
     device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
     budget_bytes: int = 0
@@ -170,8 +170,8 @@ class Session:
             self.mode, self.gamma = "autoregressive", 0
 
     def _model(self, path, n_gpu_layers: int) -> Model:
-        m = Model(path, n_gpu_layers=n_gpu_layers, use_extra_bufts=self.cfg.use_extra_bufts, verbose=self.cfg.verbose,
-                  check_tensors=self.cfg.check_tensors)
+        m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
+                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors)
         self._models.append(m)
         return m
 

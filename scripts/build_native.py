@@ -343,18 +343,19 @@ def _extract(sdist: Path, sha: str, tree: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# upstream programs the stock build makes: llama-simple (the load check) and the speculative
-# decoding loop a llama.cpp user already has (the peer of spac's loop in bench/bench_live.py)
-STOCK_TARGETS = ("llama-simple", "llama-speculative-simple")
+# upstream programs the stock build makes: llama-simple (the load check), the speculative
+# decoding loop a llama.cpp user already has (the peer of spac's loop in bench/bench_live.py),
+# llama-bench and llama-quantize (the CPU-kernel peer and its files, bench/bench_cpu.py)
+STOCK_TARGETS = ("llama-simple", "llama-speculative-simple", "llama-bench", "llama-quantize")
 
 
 def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
-    """Build upstream's `llama-simple` and `llama-speculative-simple` from the pinned sdist with
-    no patch applied: the proof that the GGUF files spac writes load in stock llama.cpp, and
-    the peer speculative loop. Cached under vendor/build/stock-<key>; returns llama-simple's
+    """Build upstream's STOCK_TARGETS from the pinned sdist with no patch applied: the proof
+    that the GGUF files spac writes load in stock llama.cpp, and the peers spac's benchmarks
+    measure against. Cached under vendor/build/stock-<key>; returns llama-simple's
     path (the other programs are beside it)."""
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-             "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
+             "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
              *no_amx_args()]
     key = hashlib.sha256(json.dumps([lock["sha256"], cmake]).encode()).hexdigest()[:10]
     out = VENDOR / "build" / f"stock-{key}"
@@ -472,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-patches", action="store_true",
                     help="only check that the series applies to a fresh extract (in a temp dir), then stop")
     ap.add_argument("--stock", action="store_true",
-                    help="build unpatched llama.cpp's llama-simple and llama-speculative-simple (cached under "
-                         "vendor/build/) and print llama-simple's path")
+                    help="build unpatched llama.cpp's llama-simple, llama-speculative-simple, llama-bench and "
+                         "llama-quantize (cached under vendor/build/) and print llama-simple's path")
     ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
     ap.add_argument("--export-patches", action="store_true",
                     help="write the commits of vendor/llama-cpp-python back to ggml-patches/")

@@ -51,7 +51,7 @@ def random_plan(rng, n_layer, n_expert) -> Plan:
 def test_split_is_bit_identical(models, arch, quant, threads):
     path = models[arch, quant]
     # no CPU_REPACK: the host experts and the CPU pool then use the same kernels
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=threads)
     try:
         reference = run_sequence(ctx)
@@ -92,7 +92,7 @@ def test_split_is_bit_identical(models, arch, quant, threads):
 def test_other_split_graphs(models, arch, split_graph, join):
     """The per-matmul baseline is bit-identical too; partial sums differ by rounding only."""
     path = models[arch, "q8_0"]
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     try:
         reference = run_sequence(ctx)
@@ -118,7 +118,7 @@ def test_other_split_graphs(models, arch, split_graph, join):
 def test_late_prefetch_stays_exact(models):
     """Verify passes run while copies are still in flight (slowed by a test-only delay)."""
     path = models["qwen3moe", "q8_0"]
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     try:
         reference = run_sequence(ctx)
@@ -228,7 +228,7 @@ def test_model_with_a_repacked_router(tmp_path):
     paths = [tmp_path / f"q4_0-router-{seed}.gguf" for seed in (0, 1)]
     for seed, path in enumerate(paths):
         write_gguf(path, cfg, synthetic_tensors(cfg, seed), byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
-    model = Model(paths[0], use_extra_bufts=True)
+    model = Model(paths[0], repack="on")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     try:
         reference = run_sequence(ctx)
@@ -297,7 +297,7 @@ SHIPPED = ["spac-tiny-moe-f16.gguf", "spac-tiny-moe-q4_0.gguf"]
 def test_split_is_bit_identical_on_shipped_models(name, threads):
     """The embedded trained target and its Q4_0 self-draft (both qwen3moe)."""
     path = MODELS_DIR / name
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=threads)
     try:
         reference = run_sequence(ctx)

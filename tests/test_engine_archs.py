@@ -48,7 +48,7 @@ def arch_models(tmp_path_factory):
 def test_split_is_bit_identical_on(arch_models, arch):
     path = arch_models / f"{arch}-moe.gguf"
     assert path.exists(), sorted(p.name for p in arch_models.iterdir())
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
 

@@ -104,7 +104,7 @@ def fuzz_create(rng, ctx, path: str, other_path: str, err) -> bool:
 def test_plan_api_fuzz(tmp_path):
     path = make_random_model(tmp_path / "m.gguf", model_config("qwen3moe"), seed=4, dtype="f32", quant="q8_0")
     other = make_random_model(tmp_path / "other.gguf", model_config("qwen3moe"), seed=5, dtype="f32", quant="q8_0")
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=32, n_threads=1)
     spare = Context(model, n_ctx=64, n_batch=32, n_threads=1)  # engines created and freed here
     rng = np.random.default_rng(11)

@@ -23,7 +23,7 @@ def check_pool_on_rpc_device(rpc_device, tmp_path):
     from orchestrator.native import ExpertEngine
 
     path = make_random_model(tmp_path / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     try:
         reference = run_sequence(ctx)

@@ -130,7 +130,7 @@ def test_pool_draft_is_lossless_on(arch_models, arch):  # noqa: F811
     verifying a pool draft of its own model while plans change the pool, decodes what it
     decodes alone; the draft's routing stays inside the pool."""
     path = arch_models / f"{arch}-moe.gguf"
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=128, n_batch=16, n_threads=1)
     dctx = Context(model, n_ctx=128, n_batch=16, n_threads=1)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -160,7 +160,7 @@ def test_pool_draft_is_lossless_on(arch_models, arch):  # noqa: F811
 def everything_resident(path, device: str | None, check) -> None:
     """Target and pool draft contexts on one model, every expert in the pool (on `device`), the
     draft attached: check(ctx, dctx, engine, tokens, reference logits of the target)."""
-    model = Model(path, use_extra_bufts=False)
+    model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     dctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
     tokens = [5, 17, 42, 99, 7, 250, 31, 64]

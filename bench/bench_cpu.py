@@ -1,0 +1,198 @@
+"""The host's kernels against stock llama.cpp: decode and prefill tok/s on the same files, same
+threads, in one run.
+
+For each file: stock `llama-bench` (built from the pinned tree, `scripts/build_native.py --stock`)
+with `--repack 0` and `--repack 1` (its default), and spac's target-only decoding as a user runs it
+(`orchestrator.speculative.Session`, no draft, pool off as on a machine without a GPU) with
+`--repack` as given (default: spac's default). Printed: tg (single-token decode of --n-gen tokens
+from an empty context) and pp (one --n-prompt-token prompt) tok/s, the median of --repeats,
+spac ÷ llama.cpp's default and ÷ the better of its two settings (per phase and both at once),
+and each process's peak resident memory.
+
+The files are the OLMoE and Qwen3-30B-A3B shapes with a few layers (`make_synthetic_moe.py`,
+random Q4_0), requantized by stock `llama-quantize` (`--allow-requantize`) to Q4_K_M (which puts
+Q6_K on half of the layers' ffn_down_exps, as real Q4_K_M files do), Q8_0 and IQ4_NL; cached
+under --dir.
+
+Every row runs in its own process, one at a time (llama.cpp's threads spin), rows alternating
+per repeat so that the machine's load hits each alike; the CPU's flags and the CPU time other
+processes used during the run are printed.
+
+    .venv/bin/python bench/bench_cpu.py                        # 2 shapes x 4 types, 4 layers
+    .venv/bin/python bench/bench_cpu.py --files a.gguf b.gguf -t 2 --json rows.json
+    .venv/bin/python bench/bench_cpu.py --spac-repack off      # spac with llama.cpp's repacking off
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
+
+SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b")
+TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "IQ4_NL")
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "sve", "asimddp", "i8mm")
+
+
+def cpu_description() -> str:
+    model, flags = "?", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model == "?":
+            model = value.strip()
+        elif key.strip() in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return f"{model}; {os.cpu_count()} logical CPUs; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or '-'}"
+
+
+def make_files(directory: Path, n_layer: int, types: list[str], shapes: list[str]) -> list[Path]:
+    """The synthetic Q4_0 file of each shape and its requantizations by stock llama-quantize."""
+    directory.mkdir(parents=True, exist_ok=True)
+    quantize = stock_program("llama-quantize")
+    out = []
+    for shape in shapes:
+        base = directory / f"{shape}-{n_layer}l-Q4_0.gguf"
+        if not base.exists():
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), shape, str(base),
+                            "--n-layer", str(n_layer)], check=True)
+        for t in types:
+            f = directory / f"{shape}-{n_layer}l-{t}.gguf"
+            if not f.exists():
+                tmp = f.with_suffix(".part")
+                subprocess.run([str(quantize), "--allow-requantize", str(base), str(tmp), t],
+                               check=True, capture_output=True)
+                tmp.rename(f)
+            out.append(f)
+    return out
+
+
+def run_measured(cmd: list[str]) -> tuple[str, int]:
+    """Run a command; its stdout and its own peak RSS in bytes (os.wait4: this child alone)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate()  # pipes drained, the child not yet reaped: wait4 still sees it
+    _, status, usage = os.wait4(proc.pid, 0)
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({rc}):\n{err.decode(errors='replace')[-3000:]}")
+    return out.decode(), usage.ru_maxrss * 1024
+
+
+def llama_bench(exe: Path, path: Path, repack: int, threads: int, n_prompt: int, n_gen: int) -> dict:
+    """One llama-bench run (one repetition of pp and tg: the rows alternate between repetitions)."""
+    rows = {}
+    rss = 0
+    for phase, p, n in (("pp", n_prompt, 0), ("tg", 0, n_gen)):
+        out, r = run_measured([str(exe), "-m", str(path), "-t", str(threads), "-p", str(p), "-n", str(n),
+                               "-r", "1", "--repack", str(repack), "-o", "json"])
+        rows[phase] = json.loads(out)[0]["avg_ts"]
+        rss = max(rss, r)
+    return {"pp": rows["pp"], "tg": rows["tg"], "rss": rss}
+
+
+def spac_bench(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -> dict:
+    out, rss = run_measured([sys.executable, __file__, "--spac-row", str(path), "--spac-repack", repack,
+                             "-t", str(threads), "--n-prompt", str(n_prompt), "--n-gen", str(n_gen)])
+    row = json.loads(out.strip().splitlines()[-1])
+    return {**row, "rss": rss}
+
+
+def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -> dict:
+    """In its own process: spac's target-only decoding of `path` (the model loaded as `spac
+    generate` loads it, no pool), timed around llama_decode as llama-bench times its runs."""
+    import numpy as np
+
+    from orchestrator.llm import Context, Model
+
+    model = Model(path, repack=repack)
+    ctx = Context(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_threads=threads)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, model.n_vocab, n_prompt)
+    ctx.decode(prompt, logits_all=False)  # warm-up: llama-bench runs the whole prompt once first
+    ctx.clear()
+    t = time.perf_counter()
+    ctx.decode(prompt, logits_all=False)  # llama-bench's pp: one prompt into an empty cache
+    pp = n_prompt / (time.perf_counter() - t)
+    ctx.clear()
+    token = int(prompt[0])
+    t = time.perf_counter()
+    for _ in range(n_gen):  # its tg: n_gen single-token decodes from an empty cache, greedy
+        ctx.decode([token])
+        token = int(ctx.logits()[-1].argmax())
+    tg = n_gen / (time.perf_counter() - t)
+    return {"pp": pp, "tg": tg, "layout": model.layout_report()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", nargs="*", type=Path, help="GGUF files (default: build the synthetic set)")
+    ap.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench_cpu", help="where the built files are cached")
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--spac-repack", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--json", type=Path, help="also write the rows here as a JSON list")
+    ap.add_argument("--spac-row", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.spac_row:
+        print(json.dumps(spac_row(args.spac_row, args.spac_repack, args.threads, args.n_prompt, args.n_gen)))
+        return
+
+    print(f"CPU: {cpu_description()}")
+    files = args.files or make_files(args.dir, args.n_layer, args.types.split(","), args.shapes.split(","))
+    bench = stock_program("llama-bench")
+    print(f"threads {args.threads}, pp {args.n_prompt}, tg {args.n_gen}, median of {args.repeats}; "
+          f"spac --repack {args.spac_repack}", flush=True)
+    machine0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    results = []
+    for f in files:
+        runs: dict[str, list[dict]] = {"llama.cpp --repack 0": [], "llama.cpp --repack 1": [], "spac": []}
+        for _ in range(args.repeats):
+            runs["llama.cpp --repack 0"].append(llama_bench(bench, f, 0, args.threads, args.n_prompt, args.n_gen))
+            runs["llama.cpp --repack 1"].append(llama_bench(bench, f, 1, args.threads, args.n_prompt, args.n_gen))
+            runs["spac"].append(spac_bench(f, args.spac_repack, args.threads, args.n_prompt, args.n_gen))
+        med = {k: {m: statistics.median(r[m] for r in v) for m in ("pp", "tg", "rss")} for k, v in runs.items()}
+        r0, r1, sp = med["llama.cpp --repack 0"], med["llama.cpp --repack 1"], med["spac"]
+        best = {m: max(r0[m], r1[m]) for m in ("pp", "tg")}
+        row = {"file": f.name, "llama_repack0": r0, "llama_repack1": r1, "spac": sp,
+               "spac_layout": runs["spac"][-1]["layout"],
+               "spac_vs_default": {m: sp[m] / r1[m] for m in ("pp", "tg")},
+               "spac_vs_best": {m: sp[m] / best[m] for m in ("pp", "tg")},
+               "rss_vs_default": sp["rss"] / r1["rss"]}
+        results.append(row)
+        print(f"  {f.name}: spac {sp['tg']:.1f}/{sp['pp']:.1f}, llama.cpp r0 {r0['tg']:.1f}/{r0['pp']:.1f}, "
+              f"r1 {r1['tg']:.1f}/{r1['pp']:.1f} (tg/pp tok/s); spac layout: {row['spac_layout']}", flush=True)
+    wall = time.monotonic() - t0
+    other = machine_cpu_seconds() - machine0 - (own_cpu_seconds() - own0)
+    print()
+    print("| file | llama.cpp --repack 0 tg / pp | --repack 1 (default) tg / pp | spac tg / pp | "
+          "spac ÷ default tg / pp | spac ÷ best tg / pp | RSS spac ÷ default |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        r0, r1, sp = r["llama_repack0"], r["llama_repack1"], r["spac"]
+        print(f"| {r['file']} | {r0['tg']:.1f} / {r0['pp']:.1f} | {r1['tg']:.1f} / {r1['pp']:.1f} | "
+              f"{sp['tg']:.1f} / {sp['pp']:.1f} | {r['spac_vs_default']['tg']:.3f} / {r['spac_vs_default']['pp']:.3f} | "
+              f"{r['spac_vs_best']['tg']:.3f} / {r['spac_vs_best']['pp']:.3f} | {r['rss_vs_default']:.3f} |")
+    # children are timed as their own processes: what is not ours or theirs is the machine's other load
+    print(f"\nwall {wall:.0f} s; other processes used {max(other, 0.0):.1f} CPU s "
+          f"({100 * max(other, 0.0) / (wall * (os.cpu_count() or 1)):.1f}% of the machine)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""Where the host's weights live: llama.cpp's plain CPU layout or its repacked one, chosen per
+tensor type from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's flag name).
+
+llama.cpp repacks every weight its CPU_REPACK buffer type takes (`--repack 1`, its default).
+Which layout is faster depends on the type, the batch and the CPU (measured on an AVX2 EPYC:
+repacked Q4_0 is faster at every batch, repacked Q4_K faster at one token and slower on a
+512-token prompt), so `auto` times one expert matmul (MUL_MAT_ID, the model's own shape, random
+routing) in both layouts at one token, at a verify batch and at a prefill ubatch, and repacks a
+type where decoding (one token and the verify batch) is faster repacked. The times are cached per
+CPU (model name and flags), build and shape, like the warm-up calibration.
+
+The micro-benchmark speaks ggml's public C API through ctypes (the libraries llama.cpp loaded):
+a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
+backend. A layout that does not take a tensor (type or row count) is reported as such.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import time
+from ctypes import c_bool, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_void_p
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPACK_MODES = ("auto", "on", "off")
+REPACK_BUFT = "CPU_REPACK"
+# the batches a layout is timed at: one token (decoding, drafting), a verify pass, a prefill ubatch
+DECODE_TOKENS, VERIFY_TOKENS, PREFILL_TOKENS = 1, 9, 512
+# ubatches of at least this many tokens are prefill: a verify batch never has as many (the expert
+# pool splits ubatches of up to 64 tokens), so decoding keeps the repacked layout whatever happens
+PREFILL_MIN_TOKENS = 65
+# timing more experts than this buys nothing: fewer experts at the same tokens per expert is the
+# same kernel work per expert, and the benchmark stays within seconds for a 128-expert model
+MAX_BENCH_EXPERTS = 32
+_GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
+
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
+
+
+class _GGUFInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", c_bool), ("ctx", ctypes.POINTER(c_void_p))]
+
+
+class _TensorHead(ctypes.Structure):
+    """The first fields of ggml.h's struct ggml_tensor (type, buffer, ne): ggml has no getter for ne."""
+    _fields_ = [("type", c_int), ("buffer", c_void_p), ("ne", c_int64 * 4)]
+
+
+def _bind() -> dict:
+    from orchestrator.native import ggml_library
+
+    base, reg, cpu = ggml_library("ggml-base"), ggml_library("ggml"), ggml_library("ggml-cpu")
+
+    def fn(lib, name, restype, *argtypes):
+        f = getattr(lib, name)
+        f.restype, f.argtypes = restype, list(argtypes)
+        return f
+
+    p = c_void_p
+    return {
+        "init": fn(base, "ggml_init", p, _InitParams),
+        "free": fn(base, "ggml_free", None, p),
+        "tensor_overhead": fn(base, "ggml_tensor_overhead", c_size_t),
+        "graph_overhead": fn(base, "ggml_graph_overhead", c_size_t),
+        "new_tensor_2d": fn(base, "ggml_new_tensor_2d", p, p, c_int, c_int64, c_int64),
+        "new_tensor_3d": fn(base, "ggml_new_tensor_3d", p, p, c_int, c_int64, c_int64, c_int64),
+        "mul_mat": fn(base, "ggml_mul_mat", p, p, p, p),
+        "mul_mat_id": fn(base, "ggml_mul_mat_id", p, p, p, p, p),
+        "new_graph": fn(base, "ggml_new_graph", p, p),
+        "build_forward_expand": fn(base, "ggml_build_forward_expand", None, p, p),
+        "nbytes": fn(base, "ggml_nbytes", c_size_t, p),
+        "quantize_chunk": fn(base, "ggml_quantize_chunk", c_size_t, c_int, p, p, c_int64, c_int64, c_int64, p),
+        "alloc_ctx_tensors": fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", p, p, p),
+        "buffer_free": fn(base, "ggml_backend_buffer_free", None, p),
+        "tensor_set": fn(base, "ggml_backend_tensor_set", None, p, p, c_size_t, c_size_t),
+        "dev_by_type": fn(reg, "ggml_backend_dev_by_type", p, c_int),
+        "dev_backend_reg": fn(base, "ggml_backend_dev_backend_reg", p, p),
+        "dev_buffer_type": fn(base, "ggml_backend_dev_buffer_type", p, p),
+        "dev_supports_op": fn(base, "ggml_backend_dev_supports_op", c_bool, p, p),
+        "reg_get_proc_address": fn(base, "ggml_backend_reg_get_proc_address", p, p, c_char_p),
+        "buft_name": fn(base, "ggml_backend_buft_name", c_char_p, p),
+        "graph_compute": fn(base, "ggml_backend_graph_compute", c_int, p, p),
+        "backend_free": fn(base, "ggml_backend_free", None, p),
+        "gguf_init": fn(base, "gguf_init_from_file", p, c_char_p, _GGUFInitParams),
+        "gguf_free": fn(base, "gguf_free", None, p),
+        "gguf_find_key": fn(base, "gguf_find_key", c_int64, p, c_char_p),
+        "gguf_get_val_str": fn(base, "gguf_get_val_str", c_char_p, p, c_int64),
+        "gguf_get_val_u32": fn(base, "gguf_get_val_u32", ctypes.c_uint32, p, c_int64),
+        "first_tensor": fn(base, "ggml_get_first_tensor", p, p),
+        "next_tensor": fn(base, "ggml_get_next_tensor", p, p, p),
+        "get_name": fn(base, "ggml_get_name", c_char_p, p),
+        "cpu_init": fn(cpu, "ggml_backend_cpu_init", p),
+        "cpu_set_n_threads": fn(cpu, "ggml_backend_cpu_set_n_threads", None, p, c_int),
+    }
+
+
+_api: dict | None = None
+
+
+def _lib() -> dict:
+    global _api
+    if _api is None:
+        _api = _bind()
+    return _api
+
+
+def cpu_buffer_types() -> dict[str, int]:
+    """The CPU device's buffer types by name: the plain one ("CPU") and llama.cpp's extra ones
+    (CPU_REPACK, and AMX or KleidiAI where the build and the CPU have them)."""
+    g = _lib()
+    dev = g["dev_by_type"](0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    out = {"CPU": g["dev_buffer_type"](dev)}
+    get = g["reg_get_proc_address"](g["dev_backend_reg"](dev), b"ggml_backend_dev_get_extra_bufts")
+    if get:
+        extra = ctypes.CFUNCTYPE(ctypes.POINTER(c_void_p), c_void_p)(get)(dev)
+        i = 0
+        while extra and extra[i]:
+            out[g["buft_name"](extra[i]).decode()] = extra[i]
+            i += 1
+    return out
+
+
+def time_mul_mat_id(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
+                    buft: int, n_threads: int, repeats: int = 3, seed: int = 0) -> float | None:
+    """Seconds of one MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type
+    `buft`, F32 activations, n_used distinct random experts per token), the best of at least
+    `repeats` runs after a warm-up; None where that buffer type does not take the weight."""
+    g = _lib()
+    dev = g["dev_by_type"](0)
+    overhead = g["tensor_overhead"]()
+    ctx_w = g["init"](_InitParams(overhead * 2, None, True))
+    ctx = g["init"](_InitParams(overhead * 8 + g["graph_overhead"](), None, True))
+    buffers, backend = [], None
+    try:
+        w = g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, n_expert)
+        x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, n_used, n_tokens)
+        ids = g["new_tensor_2d"](ctx, _GGML_TYPE_I32, n_used, n_tokens)
+        out = g["mul_mat_id"](ctx, w, x, ids)
+        for c, b in ((ctx_w, buft), (ctx, g["dev_buffer_type"](dev))):
+            buffers.append(g["alloc_ctx_tensors"](c, b))
+            if not buffers[-1]:
+                return None
+        if not g["dev_supports_op"](dev, out):  # e.g. CPU_REPACK and a type or row count it has no kernel for
+            return None
+        rng = np.random.default_rng(seed)
+        # a few quantized rows repeated: the kernels' speed does not depend on the values, and
+        # quantizing a whole tensor (IQ4_NL searches per block) would take longer than timing it
+        rows = n_out * n_expert
+        sample = min(rows, 64)
+        src = rng.standard_normal((sample, n_in), dtype=np.float32) / np.sqrt(n_in)
+        block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
+        g["quantize_chunk"](ggml_type, src.ctypes.data, block.ctypes.data, 0, sample, n_in, None)
+        data = np.resize(block, g["nbytes"](w))
+        g["tensor_set"](w, data.ctypes.data, 0, data.nbytes)
+        xs = rng.standard_normal((n_tokens, n_used, n_in), dtype=np.float32)
+        g["tensor_set"](x, xs.ctypes.data, 0, xs.nbytes)
+        chosen = np.argsort(rng.random((n_tokens, n_expert)), axis=1)[:, :n_used].astype(np.int32)
+        g["tensor_set"](ids, chosen.ctypes.data, 0, chosen.nbytes)
+        graph = g["new_graph"](ctx)
+        g["build_forward_expand"](graph, out)
+        backend = g["cpu_init"]()
+        g["cpu_set_n_threads"](backend, n_threads)
+        t = time.perf_counter()
+        g["graph_compute"](backend, graph)  # warm-up
+        first = time.perf_counter() - t
+        best = float("inf")
+        # at least `repeats`, and ~20 ms in all: a sub-millisecond matmul is noisy one run at a time
+        for _ in range(max(repeats, min(50, int(0.02 / max(first, 1e-6))))):
+            t = time.perf_counter()
+            g["graph_compute"](backend, graph)
+            best = min(best, time.perf_counter() - t)
+        return best
+    finally:
+        if backend:
+            g["backend_free"](backend)
+        for b in buffers:
+            if b:
+                g["buffer_free"](b)
+        g["free"](ctx)
+        g["free"](ctx_w)
+
+
+def supports(ggml_type: int, n_in: int, n_out: int, n_expert: int, buft: int) -> bool:
+    """Whether the buffer type takes a weight of this type and shape (no data, no compute)."""
+    g = _lib()
+    dev = g["dev_by_type"](0)
+    overhead = g["tensor_overhead"]()
+    ctx_w = g["init"](_InitParams(overhead * 2, None, True))
+    ctx = g["init"](_InitParams(overhead * 4, None, True))
+    buf = None
+    try:
+        w = g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, max(n_expert, 1))
+        if n_expert:
+            x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, 1, 1)
+            op = g["mul_mat_id"](ctx, w, x, g["new_tensor_2d"](ctx, _GGML_TYPE_I32, 1, 1))
+        else:
+            op = g["mul_mat"](ctx, w, g["new_tensor_2d"](ctx, _GGML_TYPE_F32, n_in, 1))
+        buf = g["alloc_ctx_tensors"](ctx_w, buft)
+        return bool(buf) and bool(g["dev_supports_op"](dev, op))
+    finally:
+        if buf:
+            g["buffer_free"](buf)
+        g["free"](ctx)
+        g["free"](ctx_w)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+@dataclass
+class TypeChoice:
+    """The layout of one tensor type's host weights and why, with the expert matmul's times
+    (ms at DECODE_TOKENS, VERIFY_TOKENS and PREFILL_TOKENS per model; None: no such kernel)."""
+
+    type: str
+    repack: bool
+    why: str
+    plain_ms: list[float] = field(default_factory=list)
+    repack_ms: list[float] | None = None
+    plain_prefill: bool = False  # repacked for decoding, and prefill reads the file's plain layout
+
+    @property
+    def layout(self) -> str:
+        return ("repacked, plain for prefill" if self.plain_prefill else "repacked") if self.repack else "plain"
+
+
+@dataclass
+class HostLayout:
+    mode: str                                   # auto | on | off
+    use_extra_bufts: bool                       # llama.cpp's own choice (mode "on")
+    repacked: list[str] = field(default_factory=list)   # tensor names given CPU_REPACK (mode "auto")
+    types: dict[str, TypeChoice] = field(default_factory=dict)
+    n_plain_twins: int = 0                      # repacked expert tensors with a plain twin for prefill
+
+    def overrides(self) -> list[tuple[bytes, int]]:
+        """llama.cpp tensor-buffer overrides (regex, buffer type) putting `repacked` in CPU_REPACK."""
+        if not self.repacked:
+            return []
+        names = "|".join(re.escape(n) for n in self.repacked)
+        return [(f"^({names})$".encode(), cpu_buffer_types()[REPACK_BUFT])]
+
+    def report(self) -> str:
+        if self.mode != "auto":
+            return {"on": "repacked wherever llama.cpp can (--repack on)", "off": "plain (--repack off)"}[self.mode]
+        return "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
+
+    def plain_prefill_types(self) -> list[int]:
+        """ggml types whose repacked experts read a plain twin on prefill ubatches."""
+        import gguf
+
+        return [gguf.GGMLQuantizationType[c.type].value for c in self.types.values() if c.plain_prefill]
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},
+                "n_repacked_tensors": len(self.repacked) if self.mode == "auto" else None,
+                "n_plain_twins": self.n_plain_twins}
+
+
+def read_weights(path: str | Path) -> tuple[int, list[tuple[str, int, list[int]]]]:
+    """(experts used per token, [(name, ggml type, ne)] of every tensor) from the GGUF header,
+    read by ggml's own parser (gguf-py's reader parses the whole vocabulary: seconds on a
+    150k-token file)."""
+    g = _lib()
+    ctx = c_void_p()
+    gguf_ctx = g["gguf_init"](str(path).encode(), _GGUFInitParams(True, ctypes.pointer(ctx)))
+    if not gguf_ctx:
+        raise ValueError(f"{path}: not a readable GGUF file")
+    try:
+        arch_key = g["gguf_find_key"](gguf_ctx, b"general.architecture")
+        arch = g["gguf_get_val_str"](gguf_ctx, arch_key).decode() if arch_key >= 0 else ""
+        used_key = g["gguf_find_key"](gguf_ctx, f"{arch}.expert_used_count".encode())
+        n_used = int(g["gguf_get_val_u32"](gguf_ctx, used_key)) if used_key >= 0 else 1
+        tensors = []
+        t = g["first_tensor"](ctx)
+        while t:
+            head = _TensorHead.from_address(t)
+            ne = list(head.ne)
+            while len(ne) > 1 and ne[-1] == 1:
+                ne.pop()
+            tensors.append((g["get_name"](t).decode(), int(head.type), ne))
+            t = g["next_tensor"](ctx, t)
+        return n_used, tensors
+    finally:
+        g["free"](ctx)
+        g["gguf_free"](gguf_ctx)
+
+
+def layout_cache_path() -> Path:
+    from orchestrator.calibrate import cache_path
+
+    return cache_path().with_name("host_layout.json")
+
+
+def _cpu_key() -> str:
+    model, flags = "?", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "?":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    import hashlib
+
+    from orchestrator.native import ggml_library
+
+    lib = Path(ggml_library("ggml-cpu")._name)
+    build = f"{lib.stat().st_size}-{lib.stat().st_mtime_ns}"
+    return hashlib.sha256(f"{model}|{flags}|{os.cpu_count()}|{build}".encode()).hexdigest()[:16]
+
+
+def _timed(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: int, bufts: dict) -> tuple[list, list | None]:
+    """Per layout, the summed time (ms) of the type's expert matmuls at each batch (None: the
+    layout has no kernel for them)."""
+    if not all(supports(ggml_type, n_in, n_out, n_expert, bufts[REPACK_BUFT]) for n_in, n_out, n_expert, _ in shapes):
+        return [], None  # nothing to choose: not timed
+    out = {}
+    for layout in ("CPU", REPACK_BUFT):
+        out[layout] = []
+        for n_tokens in (DECODE_TOKENS, VERIFY_TOKENS, PREFILL_TOKENS):
+            total = 0.0
+            for n_in, n_out, n_expert, n_used in shapes:
+                ne = min(n_expert, MAX_BENCH_EXPERTS)
+                toks = max(1, n_tokens * ne // n_expert) if n_tokens == PREFILL_TOKENS else n_tokens
+                t = time_mul_mat_id(ggml_type, n_in, n_out, ne, min(n_used, ne), toks, bufts[layout], n_threads)
+                total += t * 1e3 * (n_tokens / toks)  # the prefill's share, rescaled to its token count
+            out[layout].append(total)
+    return out["CPU"], out[REPACK_BUFT]
+
+
+def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool = False,
+           cache: Path | None = None) -> HostLayout:
+    """The host layout of the weights of the GGUF at `path` under `--repack mode`.
+
+    offloaded: layers go to a GPU. Its experts then stay plain under auto: llama.cpp's scheduler
+    copies a large ubatch's host weights to the GPU only from a host buffer, and CPU_REPACK is
+    not one, so repacking them would move every prompt back to the CPU."""
+    if mode not in REPACK_MODES:
+        raise ValueError(f"--repack must be one of {', '.join(REPACK_MODES)}, not {mode!r}")
+    if mode != "auto":
+        return HostLayout(mode, use_extra_bufts=mode == "on")
+    import gguf
+
+    bufts = cpu_buffer_types()
+    if REPACK_BUFT not in bufts:
+        return HostLayout(mode, use_extra_bufts=False)
+    n_used, tensors = read_weights(path)
+    experts: dict[int, set] = {}
+    weights = []  # (name, type, shape) of every matrix a matmul reads
+    for name, ggml_type, shape in tensors:
+        if len(shape) < 2 or name.startswith("token_embd") or ggml_type in (0, 1, 30):  # F32, F16, BF16
+            continue
+        if offloaded and "_exps" in name:
+            continue
+        weights.append((name, ggml_type, shape))
+        if "_exps" in name and len(shape) == 3:
+            experts.setdefault(ggml_type, set()).add((shape[0], shape[1], shape[2], n_used))
+    cache = cache or layout_cache_path()
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    key_base = f"{_cpu_key()}|{n_threads}"
+    layout = HostLayout(mode, use_extra_bufts=False)
+    for ggml_type, shapes in sorted(experts.items()):
+        name = gguf.GGMLQuantizationType(ggml_type).name
+        key = f"{key_base}|{name}|{sorted(shapes)}"
+        if key not in cached:
+            plain, repacked = _timed(ggml_type, sorted(shapes), n_threads, bufts)
+            cached[key] = {"plain_ms": plain, "repack_ms": repacked}
+        plain, repacked = cached[key]["plain_ms"], cached[key]["repack_ms"]
+        if repacked is None:
+            choice = TypeChoice(name, False, "no repacked kernel on this CPU", plain, None)
+        else:
+            gain = (plain[0] + plain[1]) / (repacked[0] + repacked[1])
+            why = f"repacked: decode {gain:.2f}x, prefill {plain[2] / repacked[2]:.2f}x"
+            choice = TypeChoice(name, gain > 1.0, why, plain, repacked, plain_prefill=gain > 1.0 and plain[2] < repacked[2])
+        layout.types[name] = choice
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(cache)
+    except OSError:
+        pass  # a read-only cache dir only costs the measurement next time
+    repack_types = {gguf.GGMLQuantizationType[n].value for n, c in layout.types.items() if c.repack}
+    layout.repacked = [name for name, ggml_type, shape in weights if ggml_type in repack_types and
+                       supports(ggml_type, shape[0], shape[1], shape[2] if len(shape) == 3 else 0,
+                                bufts[REPACK_BUFT])]
+    return layout
