@@ -31,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,13 +80,15 @@ def make_files(directory: Path, n_layer: int, types: list[str], shapes: list[str
 
 def run_measured(cmd: list[str]) -> tuple[str, int]:
     """Run a command; its stdout and its own peak RSS in bytes (os.wait4: this child alone)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = proc.communicate()  # pipes drained, the child not yet reaped: wait4 still sees it
-    _, status, usage = os.wait4(proc.pid, 0)
-    rc = os.waitstatus_to_exitcode(status)
-    if rc != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({rc}):\n{err.decode(errors='replace')[-3000:]}")
-    return out.decode(), usage.ru_maxrss * 1024
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # reaped here, not by Popen, to read its rusage
+        proc.returncode = rc = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if rc != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({rc}):\n{err.read().decode(errors='replace')[-3000:]}")
+        return out.read().decode(), usage.ru_maxrss * 1024
 
 
 def llama_bench(exe: Path, path: Path, repack: int, threads: int, n_prompt: int, n_gen: int) -> dict:

@@ -116,6 +116,8 @@ def _bind():
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
         "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),
                                 c_int32, c_char_p, c_size_t),
+        "model_tensor_buft": fn("spac_model_tensor_buft", c_char_p, c_void_p, c_char_p),
+        "model_tensor_twin_buft": fn("spac_model_tensor_twin_buft", c_char_p, c_void_p, c_char_p),
     }
 
 
@@ -172,6 +174,12 @@ def model_plain_twins(model_ptr, model_path: Path, min_tokens: int, ggml_types: 
     if n < 0:
         raise NativeError(err.value.decode(errors="replace"))
     return int(n)
+
+
+def model_tensor_buft(model_ptr, name: str, twin: bool = False) -> str | None:
+    """The buffer type a weight of the model (or its plain twin) lives in: CPU, CPU_REPACK, CUDA0..."""
+    got = lib()["model_tensor_twin_buft" if twin else "model_tensor_buft"](_ctx_ptr(model_ptr), name.encode())
+    return got.decode() if got else None
 
 
 def graph_n_crossings(ctx) -> int:

@@ -1,0 +1,167 @@
+"""The host weights' layout (`--repack auto|on|off`, orchestrator.host_layout): where every weight
+lands for each mode, with and without a GPU (the RPC device stands in for it), the plain twins
+a prompt reads, and greedy speculative decoding staying lossless on the new default kernels.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from orchestrator import host_layout
+from orchestrator.gguf_export import make_random_model, tiny_config
+from orchestrator.llm import Context, Model
+from orchestrator.native import engine_built, model_tensor_buft
+
+from engine_common import rpc_main, run_in_own_process
+
+pytestmark = pytest.mark.skipif(not engine_built(), reason="needs the patched llama.cpp")
+
+# rows of 256 (Q4_K's block) so that a Q4_K_M file really holds Q4_K and Q6_K; 8 | rows for repacking
+CFG = tiny_config("qwen3moe", n_layer=2, n_embd=256, n_expert=8, n_expert_used=2, n_ff_exp=256)
+EXPERTS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")
+# the file's layout in host memory: a CPU buffer, or the file's mapping wrapped as one
+PLAIN = {"CPU", "CPU_Mapped"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("layout")
+    return {q: make_random_model(d / f"m-{q}.gguf", CFG, seed=5, quant=q) for q in ("q4_0", "q4_k_m")}
+
+
+@pytest.fixture(autouse=True)
+def layout_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPAC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def expert_bufts(model: Model) -> dict[str, str]:
+    return {f"blk.{il}.{k}.weight": model_tensor_buft(model.ptr, f"blk.{il}.{k}.weight")
+            for il in range(CFG.n_layer) for k in EXPERTS}
+
+
+def test_auto_measures_each_type_and_caches_it(files, tmp_path):
+    layout = host_layout.choose(files["q4_k_m"], n_threads=2)
+    assert set(layout.types) == {"Q4_K", "Q6_K"} and layout.mode == "auto"
+    for choice in layout.types.values():
+        if choice.repack_ms is None:
+            assert not choice.repack and "no repacked kernel" in choice.why
+        else:  # times at one token, a verify batch and a prefill ubatch, in both layouts
+            assert len(choice.plain_ms) == len(choice.repack_ms) == 3
+            decode_gain = sum(choice.plain_ms[:2]) / sum(choice.repack_ms[:2])
+            assert choice.repack == (decode_gain > 1.0)
+            assert choice.plain_prefill == (choice.repack and choice.plain_ms[2] < choice.repack_ms[2])
+    cache = json.loads((tmp_path / "cache" / "host_layout.json").read_text())
+    assert len(cache) == sum(c.repack_ms is not None or c.plain_ms == [] for c in layout.types.values())
+    again = host_layout.choose(files["q4_k_m"], n_threads=2)
+    assert again.report() == layout.report() and again.repacked == layout.repacked
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+def test_every_expert_lands_where_the_mode_says(files, quant):
+    """Without a GPU: off keeps the file's layout, on is llama.cpp's default (CPU_REPACK wherever
+    it has a kernel), auto repacks the types the measurement chose; twins are host buffers."""
+    for mode in ("off", "on", "auto"):
+        model = Model(files[quant], repack=mode, n_threads=2)
+        try:
+            bufts = expert_bufts(model)
+            chosen = {n for n in model.layout.repacked}
+            if mode == "off":
+                assert set(bufts.values()) <= PLAIN
+            elif mode == "auto":
+                assert all((b == "CPU_REPACK") == (n in chosen) and (b == "CPU_REPACK" or b in PLAIN)
+                           for n, b in bufts.items()), bufts
+                for name in bufts:
+                    twin = model_tensor_buft(model.ptr, name, twin=True)
+                    assert twin is None or twin in PLAIN
+            else:
+                assert "CPU_REPACK" in bufts.values()
+        finally:
+            model.close()
+
+
+def check_gpu_keeps_plain_experts(device, tmp_path):
+    """With layers on a GPU (here the RPC device), auto leaves every routed expert in a host
+    buffer (llama.cpp offloads a prompt's expert matmuls only from host buffers); --repack on
+    repacks them as llama.cpp does."""
+    path = make_random_model(tmp_path / "m.gguf", CFG, seed=5, quant="q4_0")
+    for mode in ("auto", "off", "on"):
+        model = Model(path, n_gpu_layers=99, repack=mode, n_threads=1)
+        try:
+            bufts = set(expert_bufts(model).values())
+            assert bufts == {"CPU_REPACK"} if mode == "on" else bufts <= PLAIN, (mode, bufts)
+            assert model_tensor_buft(model.ptr, "blk.0.attn_q.weight").startswith("RPC")
+        finally:
+            model.close()
+
+
+def test_gpu_run_keeps_plain_host_experts(tmp_path):
+    run_in_own_process(__file__, tmp_path)
+
+
+def prefill_logits(path, repack: str, n: int = 96) -> np.ndarray:
+    model = Model(path, repack=repack, n_threads=2)
+    ctx = Context(model, n_ctx=256, n_batch=128, n_threads=2)
+    try:
+        # every position's logits: the last layer then multiplies all n rows too (with one output
+        # llama.cpp computes its FFN for that row alone: a decode-sized matmul, repacked)
+        ctx.decode(np.random.default_rng(3).integers(0, 256, n), logits_all=True)
+        return ctx.logits().copy()
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_prompt_reads_the_plain_twins(files, monkeypatch):
+    """A type repacked for decoding whose prefill is faster plain reads the file's layout on a
+    prompt: forced here for Q4_K whatever this CPU measured, the prompt's logits are then those of
+    the plain layout up to the repacked weights the twins do not replace (none here)."""
+    real = host_layout.choose
+
+    def forced(*args, **kw):
+        layout = real(*args, **kw)
+        for c in layout.types.values():
+            c.plain_prefill = c.repack_ms is not None
+            c.repack = c.repack or c.plain_prefill
+        if layout.mode == "auto":
+            layout.repacked = [n for n, t, shape in host_layout.read_weights(args[0])[1] if "_exps" in n and t == 12]
+        return layout
+
+    monkeypatch.setattr(host_layout, "choose", forced)
+    with_twins = prefill_logits(files["q4_k_m"], "auto")
+    model = Model(files["q4_k_m"], repack="auto", n_threads=2)
+    n_twins = model.layout.n_plain_twins
+    assert model_tensor_buft(model.ptr, "blk.0.ffn_up_exps.weight") == "CPU_REPACK"
+    assert model_tensor_buft(model.ptr, "blk.0.ffn_up_exps.weight", twin=True) in PLAIN
+    model.close()
+    monkeypatch.setattr(host_layout, "choose", real)
+    plain = prefill_logits(files["q4_k_m"], "off")
+    assert n_twins > 0
+    np.testing.assert_array_equal(with_twins, plain)
+
+
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+def test_greedy_speculative_is_lossless_on_the_default_kernels(files, tmp_path, quant):
+    """A verify batch takes the repacked GEMM, a single token the GEMV (and K-quants a tiled
+    kernel from 8 rows): greedy speculative output still equals target-only output."""
+    from orchestrator.sampling import SamplingParams
+    from orchestrator.speculative import Session, SessionConfig
+
+    target = files[quant]
+    draft = make_random_model(tmp_path / "draft.gguf", CFG, seed=5, quant="q4_0")
+    prompts = [np.random.default_rng(s).integers(0, 256, 6).tolist() for s in range(6)]
+    greedy = SamplingParams(temperature=0)
+    with Session(SessionConfig(model=target, draft=None, n_threads=2, engine=False)) as plain:
+        refs = [plain.complete(p, 48, sampling=greedy).tokens for p in prompts]
+        assert plain.target.layout.mode == "auto"
+    with Session(SessionConfig(model=target, draft=draft, gamma=8, adaptive_gamma=False, n_threads=2,
+                               engine=False)) as spec:
+        for p, ref in zip(prompts, refs):
+            assert spec.complete(p, 48, sampling=greedy).tokens == ref
+        assert spec.last_metrics.n_drafted > 0
+
+
+if __name__ == "__main__":
+    rpc_main(check_gpu_keeps_plain_experts)
