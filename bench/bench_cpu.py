@@ -112,7 +112,7 @@ def spac_bench(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int)
 
 def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -> dict:
     """In its own process: spac's target-only decoding of `path` (the model loaded as `spac
-    generate` loads it, no pool), timed around llama_decode as llama-bench times its runs."""
+    generate` loads it, no pool, through orchestrator.llm), timed as llama-bench times its runs."""
     import numpy as np
 
     from orchestrator.llm import Context, Model
@@ -127,11 +127,12 @@ def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -
     ctx.decode(prompt, logits_all=False)  # llama-bench's pp: one prompt into an empty cache
     pp = n_prompt / (time.perf_counter() - t)
     ctx.clear()
-    token = int(prompt[0])
+    tokens = rng.integers(100, model.n_vocab, n_gen + 1)
+    ctx.decode(tokens[:1])  # warm-up, then llama-bench's tg: n_gen single-token decodes from an empty
+    ctx.clear()             # cache, each fed a random token (it times decoding, not sampling)
     t = time.perf_counter()
-    for _ in range(n_gen):  # its tg: n_gen single-token decodes from an empty cache, greedy
+    for token in tokens[1:]:
         ctx.decode([token])
-        token = int(ctx.logits()[-1].argmax())
     tg = n_gen / (time.perf_counter() - t)
     return {"pp": pp, "tg": tg, "layout": model.layout_report()}
 
