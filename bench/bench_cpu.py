@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
 
+from orchestrator.host_layout import cpu_model_and_flags  # noqa: E402
+
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b")
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "IQ4_NL")
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -47,13 +49,7 @@ CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
 
 
 def cpu_description() -> str:
-    model, flags = "?", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == "?":
-            model = value.strip()
-        elif key.strip() in ("flags", "Features") and not flags:
-            flags = set(value.split())
+    model, flags = cpu_model_and_flags()
     return f"{model}; {os.cpu_count()} logical CPUs; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or '-'}"
 
 

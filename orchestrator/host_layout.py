@@ -1,13 +1,16 @@
 """Where the host's weights live: llama.cpp's plain CPU layout or its repacked one, chosen per
-tensor type from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's flag name).
+tensor type and per phase from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's
+flag name).
 
 llama.cpp repacks every weight its CPU_REPACK buffer type takes (`--repack 1`, its default).
-Which layout is faster depends on the type, the batch and the CPU (measured on an AVX2 EPYC:
-repacked Q4_0 is faster at every batch, repacked Q4_K faster at one token and slower on a
-512-token prompt), so `auto` times one expert matmul (MUL_MAT_ID, the model's own shape, random
-routing) in both layouts at one token, at a verify batch and at a prefill ubatch, and repacks a
-type where decoding (one token and the verify batch) is faster repacked. The times are cached per
-CPU (model name and flags), build and shape, like the warm-up calibration.
+Which layout is faster depends on the type, the batch and the CPU (on an AVX2 EPYC and on an
+AVX-512 one: repacked Q4_0 is faster at every batch, repacked Q4_K faster at one token and
+slower on a 512-token prompt), so `auto` times one expert matmul (MUL_MAT_ID, the model's own
+shape, random routing) in both layouts at one token, at a verify batch and at a prefill ubatch.
+A type is repacked where decoding (one token and the verify batch) is faster repacked; where a
+prompt is faster on the plain layout, prompt ubatches read plain twins of its weights (the file's
+bytes in place, patch 0010: `native.model_plain_twins`). The times are cached per CPU (model
+name and flags), build, threads and shape, beside the warm-up calibration.
 
 The micro-benchmark speaks ggml's public C API through ctypes (the libraries llama.cpp loaded):
 a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
@@ -17,11 +20,12 @@ backend. A layout that does not take a tensor (type or row count) is reported as
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import re
 import time
-from ctypes import c_bool, c_char_p, c_float, c_int, c_int32, c_int64, c_size_t, c_void_p
+from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_void_p
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -297,24 +301,30 @@ def layout_cache_path() -> Path:
     return cache_path().with_name("host_layout.json")
 
 
-def _cpu_key() -> str:
-    model, flags = "?", ""
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """This CPU's model name and feature flags, from /proc/cpuinfo (x86 "flags", Arm "Features")."""
+    model, flags = "?", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and model == "?":
                 model = value.strip()
             elif key.strip() in ("flags", "Features") and not flags:
-                flags = " ".join(sorted(value.split()))
+                flags = set(value.split())
     except OSError:
         pass
-    import hashlib
+    return model, flags
 
+
+def _cpu_key() -> str:
+    """What the times depend on: the CPU (a model name alone is ambiguous: "AMD EPYC" comes with
+    and without AVX-512) and the build of ggml-cpu."""
     from orchestrator.native import ggml_library
 
-    lib = Path(ggml_library("ggml-cpu")._name)
-    build = f"{lib.stat().st_size}-{lib.stat().st_mtime_ns}"
-    return hashlib.sha256(f"{model}|{flags}|{os.cpu_count()}|{build}".encode()).hexdigest()[:16]
+    model, flags = cpu_model_and_flags()
+    lib = Path(ggml_library("ggml-cpu")._name).stat()
+    key = f"{model}|{' '.join(sorted(flags))}|{os.cpu_count()}|{lib.st_size}-{lib.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _timed(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: int, bufts: dict) -> tuple[list, list | None]:
