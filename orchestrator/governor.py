@@ -33,6 +33,8 @@ The governor only chooses how many tokens to draft: greedy output is the target'
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,6 +55,8 @@ class GovernorConfig:
     probe_margin: float = 0.15    # ... when the model puts it within 15% of the best;
     probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
+    decide_every: int = 4         # after a step without drafts, the model is evaluated again only
+                                  # every n-th step (such a step moves only the time of γ = 0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -67,23 +71,28 @@ class Governor:
             g = gov.next_gamma()
             ... draft up to g tokens, verify ...
             gov.observe(n_drafted, n_accepted, draft_s, verify_s, other_s)
+
+    It runs twice per step of the loop, on a dozen numbers: plain Python floats, which cost a
+    tenth of what numpy's calls on arrays that small do; the public methods return arrays.
     """
 
     def __init__(self, cfg: GovernorConfig) -> None:
         self.cfg = cfg
         n = cfg.gamma_max
-        self.succ = np.zeros(n + 1)   # decayed counts, index i = draft position (1-based)
-        self.tried = np.zeros(n + 1)
+        self.succ = [0.0] * (n + 1)   # decayed counts, index i = draft position (1-based)
+        self.tried = [0.0] * (n + 1)
         self.n_accept = self.n_reject = 0.0
-        self.t_draft = np.nan        # seconds per drafted token
-        self.t_step = np.nan         # seconds per step outside drafting and verifying
-        self.t_verify = np.full(n + 2, np.nan)  # index n = batch size
+        self.t_draft = math.nan      # seconds per drafted token
+        self.t_step = math.nan       # seconds per step outside drafting and verifying
+        self.t_verify = [math.nan] * (n + 2)  # index n = batch size
         self.measured_at = np.full(n + 2, -1)
         self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
         self.steps = 0
         self.last_gamma = n
         self.current: int | None = None  # the γ in force (probes aside)
-        self._tps: np.ndarray | None = None
+        self._tps: list[float] | None = None
+        self._decided_at = -1         # the step at which `current` was last chosen
+        self._judged = False          # the last step judged drafts (its acceptance moved the model)
         # the first step pays for cold caches and first-touch page faults: its times are not
         # kept, and its γ is probed again last
         probes = [g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2)) if cfg.gamma_min <= g <= n]
@@ -98,28 +107,32 @@ class Governor:
         if not 0 <= n_accepted <= n_drafted:
             raise ValueError(f"accepted {n_accepted} of {n_drafted} drafts")
         c = self.cfg
-        self.succ *= c.acceptance_decay
-        self.tried *= c.acceptance_decay
-        self.n_accept *= c.acceptance_decay
-        self.n_reject *= c.acceptance_decay
+        decay = c.acceptance_decay
+        succ = self.succ = [x * decay for x in self.succ]
+        tried = self.tried = [x * decay for x in self.tried]
+        self.n_accept *= decay
+        self.n_reject *= decay
         g = min(n_drafted, c.gamma_max)
         a = min(n_accepted, g)
-        self.succ[1:a + 1] += 1
-        self.tried[1:a + 1] += 1
+        for i in range(1, a + 1):
+            succ[i] += 1
+            tried[i] += 1
         self.n_accept += a
         if a < g:  # draft a+1 was rejected; the ones after it were never judged
-            self.tried[a + 1] += 1
+            tried[a + 1] += 1
             self.n_reject += 1
         if self.steps > 0:
             if n_drafted > 0:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
             self.t_step = _average(self.t_step, other_s, c.cost_weight)
             b = min(n_drafted + 1, c.gamma_max + 1)
-            self._verify_times[b].append(verify_s)
-            self.t_verify[b] = float(np.median(self._verify_times[b]))
+            times = self._verify_times[b]
+            times.append(verify_s)
+            self.t_verify[b] = _median(times)
             self.measured_at[b] = self.steps
         self.steps += 1
         self._tps = None
+        self._judged = g > 0
 
     # -- the model ------------------------------------------------------------------------
 
@@ -132,47 +145,73 @@ class Governor:
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..γ_max (index 0 unused, 1.0)."""
+        return np.array(self._acceptance())
+
+    def _acceptance(self) -> list[float]:
         k = self.cfg.prior_weight
-        p = (self.succ + k * self.alpha) / (self.tried + k)
+        ka = k * self.alpha
+        p = [(s + ka) / (t + k) for s, t in zip(self.succ, self.tried)]
         p[0] = 1.0
         return p
 
     def expected_tokens(self) -> np.ndarray:
         """E(γ) for γ = 0..γ_max."""
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()[1:]))])
+        return np.array(self._expected_tokens())
+
+    def _expected_tokens(self) -> list[float]:
+        e, reach, total = [1.0], 1.0, 0.0
+        for p in self._acceptance()[1:]:
+            reach *= p      # Π_{j≤i} p_j: draft i is accepted
+            total += reach
+            e.append(1.0 + total)
+        return e
 
     def verify_cost(self, n: int) -> float:
         """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
-        return float(self.verify_costs(np.array([n]))[0])
+        roofline = self._roofline()
+        return math.nan if roofline is None else _interpolate(roofline, n)
 
     def verify_costs(self, n: np.ndarray) -> np.ndarray:
-        """verify_cost for an array of batch sizes, in one pass (this runs every step)."""
-        known = np.flatnonzero(~np.isnan(self.t_verify))
-        if known.size == 0:
+        """verify_cost for an array of batch sizes."""
+        roofline = self._roofline()
+        if roofline is None:
             return np.full(len(n), np.nan)
-        t = self.t_verify[known]
+        return np.array([_interpolate(roofline, x) for x in np.asarray(n).tolist()])
+
+    def _roofline(self) -> tuple[list[int], list[float], float] | None:
+        """(measured batch sizes, their verify times, slope of the least-squares line through
+        them, never negative), or None before any measurement."""
+        known = [b for b, t in enumerate(self.t_verify) if t == t]  # t == t: not NaN
+        if not known:
+            return None
+        t = [self.t_verify[b] for b in known]
         slope = 0.0
-        if known.size > 1:  # least-squares line through the measurements
-            dx = known - known.mean()
-            slope = max(float(dx @ (t - t.mean()) / (dx @ dx)), 0.0)
-        below = np.maximum(t[0] + slope * (n - known[0]), 0.0)
-        above = t[-1] + slope * (n - known[-1])
-        return np.where(n < known[0], below, np.where(n > known[-1], above, np.interp(n, known, t)))
+        if len(known) > 1:
+            mean_b, mean_t = sum(known) / len(known), sum(t) / len(t)
+            dx = [b - mean_b for b in known]
+            slope = max(sum(x * (y - mean_t) for x, y in zip(dx, t)) / sum(x * x for x in dx), 0.0)
+        return known, t, slope
 
     def throughput(self) -> np.ndarray:
         """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable);
         computed once per observed step."""
-        if self._tps is None:
-            self._tps = self._throughput()
-        return self._tps
+        return np.array(self._throughput())
 
-    def _throughput(self) -> np.ndarray:
-        g = np.arange(self.cfg.gamma_max + 1)
-        t_draft = 0.0 if np.isnan(self.t_draft) else self.t_draft
-        t_step = 0.0 if np.isnan(self.t_step) else self.t_step
-        cost = g * t_draft + self.verify_costs(g + 1) + t_step
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return self.expected_tokens() / cost
+    def _throughput(self) -> list[float]:
+        if self._tps is None:
+            n = self.cfg.gamma_max
+            roofline = self._roofline()
+            if roofline is None:
+                self._tps = [math.nan] * (n + 1)
+                return self._tps
+            t_draft = 0.0 if math.isnan(self.t_draft) else self.t_draft
+            t_step = 0.0 if math.isnan(self.t_step) else self.t_step
+            tps = []
+            for g, e in enumerate(self._expected_tokens()):
+                cost = g * t_draft + _interpolate(roofline, g + 1) + t_step
+                tps.append(e / cost if cost else math.inf)
+            self._tps = tps
+        return self._tps
 
     # -- the decision ---------------------------------------------------------------------
 
@@ -180,22 +219,32 @@ class Governor:
         """The γ the model puts highest; the one in force stays unless another beats it by more
         than `switch_margin` (near the top the curve is flat, and noise must not make γ dither)."""
         c = self.cfg
-        tps = self.throughput()
-        if np.all(np.isnan(tps[c.gamma_min:])):
+        tps = self._throughput()
+        best, top = None, -math.inf
+        for g in range(c.gamma_min, c.gamma_max + 1):
+            if tps[g] > top:  # NaN never is
+                best, top = g, tps[g]
+        if best is None:
             return c.gamma_max
-        best = c.gamma_min + int(np.nanargmax(tps[c.gamma_min:]))
         keep = self.current
-        if keep is not None and keep != best and not tps[best] > (1 + c.switch_margin) * tps[keep]:
+        if keep is not None and keep != best and not top > (1 + c.switch_margin) * tps[keep]:
             return keep
         return best
 
     def next_gamma(self) -> int:
-        """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best."""
+        """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best.
+
+        The best is chosen again after every step that judged drafts, and otherwise every
+        `decide_every` steps: a step without drafts only refines the time of γ = 0, and while
+        γ = 0 is in force the loop must cost what a plain decode loop costs."""
         c = self.cfg
         if self.steps < len(self._probes):
             g = self._probes[self.steps]
         else:
-            g = self.current = self.best_gamma()
+            if self._judged or self.current is None or self.steps - self._decided_at >= c.decide_every:
+                self.current = self.best_gamma()
+                self._decided_at = self.steps
+            g = self.current
             if c.probe_every and self.steps % c.probe_every == 0:
                 g = self._probe_near(g)
         self.last_gamma = g
@@ -207,7 +256,7 @@ class Governor:
         ago of all those within `probe_far_margin` (a measurement taken under a passing load must
         not stay forever)."""
         c = self.cfg
-        tps = self.throughput()
+        tps = self._throughput()
         if (self.steps // c.probe_every) % c.probe_far == 0:
             cand, margin = [x for x in range(c.gamma_min, c.gamma_max + 1) if x != best], c.probe_far_margin
         else:
@@ -217,4 +266,25 @@ class Governor:
 
 
 def _average(old: float, new: float, weight: float) -> float:
-    return new if np.isnan(old) else (1 - weight) * old + weight * new
+    return new if math.isnan(old) else (1 - weight) * old + weight * new
+
+
+def _median(values) -> float:
+    v = sorted(values)
+    h = len(v) // 2
+    return v[h] if len(v) % 2 else (v[h - 1] + v[h]) / 2
+
+
+def _interpolate(roofline: tuple[list[int], list[float], float], n: int) -> float:
+    """T_verify(n): linear between the measured sizes; outside them, the fitted slope from the
+    nearest one (never below 0)."""
+    known, t, slope = roofline
+    if n <= known[0]:
+        return max(t[0] + slope * (n - known[0]), 0.0)
+    if n >= known[-1]:
+        return t[-1] + slope * (n - known[-1])
+    j = bisect_left(known, n)
+    if known[j] == n:
+        return t[j]
+    x0, x1 = known[j - 1], known[j]
+    return t[j - 1] + (t[j] - t[j - 1]) * (n - x0) / (x1 - x0)
