@@ -55,8 +55,8 @@ class GovernorConfig:
     probe_margin: float = 0.15    # ... when the model puts it within 15% of the best;
     probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
-    decide_every: int = 4         # after a step without drafts, the model is evaluated again only
-                                  # every n-th step (such a step moves only the time of γ = 0)
+    decide_every: int = 16        # after a step without drafts the best γ is chosen again only at
+                                  # a probe or every n-th step (such a step times only γ = 0)
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -79,9 +79,10 @@ class Governor:
     def __init__(self, cfg: GovernorConfig) -> None:
         self.cfg = cfg
         n = cfg.gamma_max
-        self.succ = [0.0] * (n + 1)   # decayed counts, index i = draft position (1-based)
-        self.tried = [0.0] * (n + 1)
-        self.n_accept = self.n_reject = 0.0
+        self._succ = [0.0] * (n + 1)  # decayed counts, index i = draft position (1-based)
+        self._tried = [0.0] * (n + 1)
+        self._n_accept = self._n_reject = 0.0
+        self._decay = 1.0             # decay the counts still owe (applied when they are next used)
         self.t_draft = math.nan      # seconds per drafted token
         self.t_step = math.nan       # seconds per step outside drafting and verifying
         self.t_verify = [math.nan] * (n + 2)  # index n = batch size
@@ -107,20 +108,18 @@ class Governor:
         if not 0 <= n_accepted <= n_drafted:
             raise ValueError(f"accepted {n_accepted} of {n_drafted} drafts")
         c = self.cfg
-        decay = c.acceptance_decay
-        succ = self.succ = [x * decay for x in self.succ]
-        tried = self.tried = [x * decay for x in self.tried]
-        self.n_accept *= decay
-        self.n_reject *= decay
+        self._decay *= c.acceptance_decay
         g = min(n_drafted, c.gamma_max)
-        a = min(n_accepted, g)
-        for i in range(1, a + 1):
-            succ[i] += 1
-            tried[i] += 1
-        self.n_accept += a
-        if a < g:  # draft a+1 was rejected; the ones after it were never judged
-            tried[a + 1] += 1
-            self.n_reject += 1
+        if g:
+            a = min(n_accepted, g)
+            succ, tried = self.succ, self.tried
+            for i in range(1, a + 1):
+                succ[i] += 1
+                tried[i] += 1
+            self._n_accept += a
+            if a < g:  # draft a+1 was rejected; the ones after it were never judged
+                tried[a + 1] += 1
+                self._n_reject += 1
         if self.steps > 0:
             if n_drafted > 0:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
@@ -136,12 +135,35 @@ class Governor:
 
     # -- the model ------------------------------------------------------------------------
 
+    def _counts(self) -> None:
+        """Apply the decay the counts owe: a step without drafts only multiplies `_decay`."""
+        d = self._decay
+        if d != 1.0:
+            self._succ = [x * d for x in self._succ]
+            self._tried = [x * d for x in self._tried]
+            self._n_accept *= d
+            self._n_reject *= d
+            self._decay = 1.0
+
+    @property
+    def succ(self) -> list[float]:
+        """Decayed count of accepted drafts at each position i = 1..γ_max."""
+        self._counts()
+        return self._succ
+
+    @property
+    def tried(self) -> list[float]:
+        """Decayed count of judged drafts at each position."""
+        self._counts()
+        return self._tried
+
     @property
     def alpha(self) -> float:
         """Geometric acceptance rate: accepted drafts / judged drafts, with the prior."""
         c = self.cfg
+        self._counts()
         a0 = c.prior_acceptance * c.prior_weight
-        return (self.n_accept + a0) / (self.n_accept + self.n_reject + c.prior_weight)
+        return (self._n_accept + a0) / (self._n_accept + self._n_reject + c.prior_weight)
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..γ_max (index 0 unused, 1.0)."""
@@ -234,19 +256,18 @@ class Governor:
     def next_gamma(self) -> int:
         """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best.
 
-        The best is chosen again after every step that judged drafts, and otherwise every
-        `decide_every` steps: a step without drafts only refines the time of γ = 0, and while
-        γ = 0 is in force the loop must cost what a plain decode loop costs."""
+        The best is chosen again after every step that judged drafts, and otherwise only at a
+        probe or every `decide_every` steps: a step without drafts only refines the time of
+        γ = 0, and while γ = 0 is in force the loop must cost what a plain decode loop costs."""
         c = self.cfg
         if self.steps < len(self._probes):
             g = self._probes[self.steps]
         else:
-            if self._judged or self.current is None or self.steps - self._decided_at >= c.decide_every:
+            probe = c.probe_every > 0 and self.steps % c.probe_every == 0
+            if probe or self._judged or self.current is None or self.steps - self._decided_at >= c.decide_every:
                 self.current = self.best_gamma()
                 self._decided_at = self.steps
-            g = self.current
-            if c.probe_every and self.steps % c.probe_every == 0:
-                g = self._probe_near(g)
+            g = self._probe_near(self.current) if probe else self.current
         self.last_gamma = g
         return g
 
