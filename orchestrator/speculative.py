@@ -302,7 +302,11 @@ class Session:
                 gamma = self.governor.next_gamma() if adaptive else self.gamma
                 gamma = min(gamma, max_tokens - n_out - 1, room - 1)
                 t_step = time.perf_counter()
-                n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                if gamma > 0:
+                    n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                else:
+                    n_drafted = n_accepted = 0
+                    new = [self._plain_step(sampling, rng)]
                 rec.step(n_drafted, n_accepted)
                 if self.on_verify_step is not None:
                     self.on_verify_step(time.perf_counter() - t_step)
@@ -388,6 +392,23 @@ class Session:
         if self.governor is not None:
             self.governor.observe(len(drafts), a, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return len(drafts), a, [*drafts[:a], nxt]
+
+    def _plain_step(self, sampling: SamplingParams, rng) -> int:
+        """γ = 0: one decode of the target, as a target-only loop runs it (no draft, nothing to
+        verify or trim); the target's next token. The governor still times it, and with an
+        engine the policy still sees its routing."""
+        t0 = time.perf_counter()
+        self.ctx.decode(self._tokens[-1:])
+        row = self.ctx.logits()[-1]
+        nxt = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)
+        t1 = time.perf_counter()
+        if self.engine is not None:
+            if self.draft_routing is not None:
+                self.last_draft_routing = np.zeros((0, self.engine.n_moe_layers, self.engine.n_expert_used), np.int32)
+            self._after_verify(0, 0, 0.0, t1 - t0)
+        if self.governor is not None:
+            self.governor.observe(0, 0, 0.0, t1 - t0, time.perf_counter() - t1)
+        return nxt
 
     def _after_verify(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """Routing of the verify pass → policy → plan, handed to the engine before drafting."""
