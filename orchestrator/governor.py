@@ -72,8 +72,8 @@ class Governor:
             ... draft up to g tokens, verify ...
             gov.observe(n_drafted, n_accepted, draft_s, verify_s, other_s)
 
-    It runs twice per step of the loop, on a dozen numbers: plain Python floats, which cost a
-    tenth of what numpy's calls on arrays that small do; the public methods return arrays.
+    It runs twice per step of the loop, on a dozen numbers: plain Python floats, a fifth of the
+    time numpy's calls take on arrays that small; the public methods return arrays.
     """
 
     def __init__(self, cfg: GovernorConfig) -> None:
