@@ -21,9 +21,12 @@ Amortization Roofline objective of the paper:
   a line fitted through the measurements (never negative) from the nearest measured size.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
-The first steps probe the batch sizes the model needs (γ_max, γ_min, 1, γ_max/2, and γ_max again:
-the very first step of a session runs on cold caches and its times are dropped); afterwards
-every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
+The first steps probe the batch sizes the model needs: γ_min twice (the very first step of a
+session runs on cold caches and its times are dropped; a plain step costs what decoding without
+a draft costs), then 1, γ_max/2 and γ_max, the last two only if they could beat the best γ
+measured so far with every draft accepted and a verify pass no cheaper than the largest one
+measured below them (a small compute-bound target with a draft as slow as itself pays for none of
+them: their cost is a tenth of a 256-token answer there). Afterwards every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
 longest ago (if the model puts it close to the best), and every `probe_far`-th probe the γ
 measured longest ago of all that are not far worse, so the model follows the machine's load
 and the text's acceptance.
@@ -95,9 +98,9 @@ class Governor:
         self._decided_at = -1         # the step at which `current` was last chosen
         self._judged = False          # the last step judged drafts (its acceptance moved the model)
         # the first step pays for cold caches and first-touch page faults: its times are not
-        # kept, and its γ is probed again last
-        probes = [g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2)) if cfg.gamma_min <= g <= n]
-        self._probes = [*dict.fromkeys(probes), n]
+        # kept, and its γ is probed again next
+        probes = [g for g in (cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2), n) if cfg.gamma_min <= g <= n]
+        self._probes = [cfg.gamma_min, *dict.fromkeys(probes)]
 
     # -- measurements ---------------------------------------------------------------------
 
@@ -260,7 +263,7 @@ class Governor:
         probe or every `decide_every` steps: a step without drafts only refines the time of
         γ = 0, and while γ = 0 is in force the loop must cost what a plain decode loop costs."""
         c = self.cfg
-        if self.steps < len(self._probes):
+        if self.steps < len(self._probes) and (self.steps < 3 or self._could_pay(self._probes[self.steps])):
             g = self._probes[self.steps]
         else:
             probe = c.probe_every > 0 and self.steps % c.probe_every == 0
@@ -270,6 +273,18 @@ class Governor:
             g = self._probe_near(self.current) if probe else self.current
         self.last_gamma = g
         return g
+
+    def _could_pay(self, gamma: int) -> bool:
+        """Whether γ could beat the best measured γ even with every draft accepted and a verify
+        pass that costs what the largest batch measured below γ + 1 did (more tokens never cost
+        less): a warm-up probe that cannot is skipped."""
+        measured = [b for b in range(1, gamma + 2) if self.t_verify[b] == self.t_verify[b]]
+        if not measured or math.isnan(self.t_draft):
+            return True
+        tps = self._throughput()
+        best = max(tps[b - 1] for b in measured)
+        t_step = 0.0 if math.isnan(self.t_step) else self.t_step
+        return (gamma + 1) / (gamma * self.t_draft + self.t_verify[measured[-1]] + t_step) > best
 
     def _probe_near(self, best: int) -> int:
         """The neighbour of `best` measured longest ago, if the model puts it within

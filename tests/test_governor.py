@@ -86,7 +86,7 @@ def test_warm_up_probes_then_periodic_probes_next_to_the_best():
         g = gov.next_gamma()
         first.append(g)
         gov.observe(*m.step(g))
-    assert first == [8, 0, 1, 4, 8]
+    assert first == [0, 0, 1, 4, 8]  # the first step is cold: its times are dropped
     chosen = []
     for _ in range(40):
         g = gov.next_gamma()
@@ -94,6 +94,20 @@ def test_warm_up_probes_then_periodic_probes_next_to_the_best():
         gov.observe(*m.step(g))
     best = gov.best_gamma()
     assert chosen.count(best) >= 25 and all(abs(g - best) <= 1 for g in chosen[8:])
+
+
+def test_warm_up_skips_probes_that_cannot_pay_with_every_draft_accepted():
+    """The shipped model's regime: a compute-bound target whose draft costs about a target token.
+    After γ = 0 and γ = 1 are measured, not even perfect acceptance makes γ = 4 or 8 pay, so the
+    warm-up drafts one token in all and the plain steps go on."""
+    m = Machine(base=0.0003, per_token=0.00015, knee=1, draft=0.0003, alpha=0.97)
+    gov = Governor(GovernorConfig(gamma_max=8))
+    first = []
+    for _ in range(8):
+        g = gov.next_gamma()
+        first.append(g)
+        gov.observe(*m.step(g))
+    assert first == [0, 0, 1, 0, 0, 0, 0, 0]
 
 
 def test_far_probes_refresh_the_stalest_measurement():
