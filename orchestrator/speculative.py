@@ -118,6 +118,7 @@ class Session:
         self._models: list[Model] = []
         self._contexts: list[Context] = []
         self._tokens: list[int] = []
+        self._pieces: dict[int, bytes | None] = {}  # token → its bytes, None: end of generation
         self._plan_in_force: Plan | None = None
         self._plan_sent: Plan | None = None
         self._stats_prev: dict | None = None
@@ -285,6 +286,7 @@ class Session:
         rec = self.recorder
         rec.start(len(prompt_tokens), self.engine.stats() if self.engine else None)
         stream = TextStream(stop)
+        pieces = self._pieces
         reason = "interrupted"
         n_out = 0
         try:
@@ -313,10 +315,11 @@ class Session:
                 kept, chunk = 0, []
                 for t in new:
                     kept += 1
-                    if self.target.is_eog(t):
+                    piece = pieces[t] if t in pieces else self._piece(t)
+                    if piece is None:
                         reason = "eos"
                         break
-                    chunk.append(stream.push(self.target.piece(t)))
+                    chunk.append(stream.push(piece))
                     if stream.stopped:
                         reason = "stop"
                         break
@@ -338,6 +341,11 @@ class Session:
             self._sync()
             self.last_metrics = rec.finish(reason, self.engine.stats() if self.engine else None)
             self.last_text = stream.text
+
+    def _piece(self, token: int) -> bytes | None:
+        """The token's bytes (None: an end-of-generation token), asked of llama.cpp once."""
+        piece = self._pieces[token] = None if self.target.is_eog(token) else self.target.piece(token)
+        return piece
 
     # -- one step ---------------------------------------------------------------------------
 
