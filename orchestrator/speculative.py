@@ -480,7 +480,8 @@ class Session:
         self._sync()
         self._tokens = list(prompt)
         cached = self.ctx.n_past
-        for c in (self.ctx, self.draft_ctx):
+        # the draft first: the target decodes next, and its weights should be the ones in the cache
+        for c in (self.draft_ctx, self.ctx):
             if c is not None and c.n_past < len(prompt) - 1:
                 c.decode(prompt[c.n_past:-1], logits_all=False)
         return cached
