@@ -89,7 +89,7 @@ class Governor:
         self.t_draft = math.nan      # seconds per drafted token
         self.t_step = math.nan       # seconds per step outside drafting and verifying
         self.t_verify = [math.nan] * (n + 2)  # index n = batch size
-        self.measured_at = np.full(n + 2, -1)
+        self.measured_at = [-1] * (n + 2)  # the step of the last measurement of each batch size
         self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
         self.steps = 0
         self.last_gamma = n

@@ -117,7 +117,7 @@ def test_far_probes_refresh_the_stalest_measurement():
         gov.observe(*m.step(gov.next_gamma()))
     best = max(m.expected_rate(g) for g in range(9))
     close = [g for g in range(9) if m.expected_rate(g) > 0.6 * best]
-    assert len(close) > 3 and (gov.measured_at[[g + 1 for g in close]] >= 200 - 2 * 2 * 9 - 4).all()
+    assert len(close) > 3 and (np.array(gov.measured_at)[[g + 1 for g in close]] >= 200 - 2 * 2 * 9 - 4).all()
 
 
 def test_acceptance_per_position_follows_what_was_accepted():
