@@ -26,10 +26,12 @@ session runs on cold caches and its times are dropped; a plain step costs what d
 a draft costs), then 1, γ_max/2 and γ_max, the last two only if they could beat the best γ
 measured so far with every draft accepted and a verify pass no cheaper than the largest one
 measured below them (a small compute-bound target with a draft as slow as itself pays for none of
-them: their cost is a tenth of a 256-token answer there). Afterwards every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
-longest ago (if the model puts it close to the best), and every `probe_far`-th probe the γ
-measured longest ago of all that are not far worse, so the model follows the machine's load
-and the text's acceptance.
+them: their cost is a tenth of a 256-token answer there). Afterwards every `probe_every`-th step
+takes the neighbour of the best γ whose verify cost was measured longest ago (if the model puts
+it close to the best), and every `probe_far`-th probe the γ measured longest ago of all that are
+not far worse, so the model follows the machine's load and the text's acceptance. While γ = 0 is
+in force only every `plain_probe_every`-th probe is taken, and the plain steps in between do not
+ask the model at all (`next_gamma`).
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
 """
@@ -58,8 +60,7 @@ class GovernorConfig:
     probe_margin: float = 0.15    # ... when the model puts it within 15% of the best;
     probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
-    decide_every: int = 16        # after a step without drafts the best γ is chosen again only at
-                                  # a probe or every n-th step (such a step times only γ = 0)
+    plain_probe_every: int = 4    # while γ = 0 is in force, only every n-th probe step is taken
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -95,8 +96,9 @@ class Governor:
         self.last_gamma = n
         self.current: int | None = None  # the γ in force (probes aside)
         self._tps: list[float] | None = None
-        self._decided_at = -1         # the step at which `current` was last chosen
         self._judged = False          # the last step judged drafts (its acceptance moved the model)
+        self._quiet = 0               # steps still to run at γ = 0 without asking the model
+        self._plain: list[tuple[float, float]] | None = None  # (verify, other) s of steps decided ahead
         # the first step pays for cold caches and first-touch page faults: its times are not
         # kept, and its γ is probed again next
         probes = [g for g in (cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2), n) if cfg.gamma_min <= g <= n]
@@ -111,6 +113,13 @@ class Governor:
         if not 0 <= n_accepted <= n_drafted:
             raise ValueError(f"accepted {n_accepted} of {n_drafted} drafts")
         c = self.cfg
+        if self._plain is not None:
+            if n_drafted == 0:  # a step decided ahead: its times wait for the model's next use
+                self._plain.append((verify_s, other_s))
+                self._decay *= c.acceptance_decay
+                self.steps += 1
+                return
+            self._end_plain_run()
         self._decay *= c.acceptance_decay
         g = min(n_drafted, c.gamma_max)
         if g:
@@ -135,6 +144,25 @@ class Governor:
         self.steps += 1
         self._tps = None
         self._judged = g > 0
+
+    def _fold(self) -> None:
+        """Take in the times of the steps decided ahead so far, as `observe` would have one by one."""
+        plain = self._plain
+        if not plain:
+            return
+        self._plain = []
+        times = self._verify_times[1]
+        for verify_s, other_s in plain:
+            self.t_step = _average(self.t_step, other_s, self.cfg.cost_weight)
+            times.append(verify_s)
+        self.t_verify[1] = _median(times)
+        self.measured_at[1] = self.steps - 1
+        self._tps = None
+        self._judged = False
+
+    def _end_plain_run(self) -> None:
+        self._fold()
+        self._plain, self._quiet = None, 0
 
     # -- the model ------------------------------------------------------------------------
 
@@ -193,11 +221,13 @@ class Governor:
 
     def verify_cost(self, n: int) -> float:
         """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
+        self._fold()
         roofline = self._roofline()
         return math.nan if roofline is None else _interpolate(roofline, n)
 
     def verify_costs(self, n: np.ndarray) -> np.ndarray:
         """verify_cost for an array of batch sizes."""
+        self._fold()
         roofline = self._roofline()
         if roofline is None:
             return np.full(len(n), np.nan)
@@ -223,6 +253,7 @@ class Governor:
         return np.array(self._throughput())
 
     def _throughput(self) -> list[float]:
+        self._fold()
         if self._tps is None:
             n = self.cfg.gamma_max
             roofline = self._roofline()
@@ -259,18 +290,29 @@ class Governor:
     def next_gamma(self) -> int:
         """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best.
 
-        The best is chosen again after every step that judged drafts, and otherwise only at a
-        probe or every `decide_every` steps: a step without drafts only refines the time of
-        γ = 0, and while γ = 0 is in force the loop must cost what a plain decode loop costs."""
+        The best is chosen again after every step that judged drafts and at probes: a step
+        without drafts only refines the time of γ = 0. While γ = 0 is in force only every
+        `plain_probe_every`-th probe step is taken, and the steps up to it are answered without
+        the model, their times waiting in a list until the model is next used: a plain step is
+        the cheapest of all, so asking the model (its code and data come back from memory after
+        a decode: ~50 µs) weighs most there, and a probe from γ = 0 costs the most (the draft
+        catches up on every token it skipped). The loop then costs what a plain decode loop does.
+        """
+        if self._quiet:
+            self._quiet -= 1
+            return 0
+        self._end_plain_run()
         c = self.cfg
         if self.steps < len(self._probes) and (self.steps < 3 or self._could_pay(self._probes[self.steps])):
             g = self._probes[self.steps]
         else:
             probe = c.probe_every > 0 and self.steps % c.probe_every == 0
-            if probe or self._judged or self.current is None or self.steps - self._decided_at >= c.decide_every:
+            if probe or self._judged or self.current is None:
                 self.current = self.best_gamma()
-                self._decided_at = self.steps
             g = self._probe_near(self.current) if probe else self.current
+            every = c.probe_every * c.plain_probe_every
+            if g == self.current == 0 and every and self.steps + 1 >= len(self._probes):
+                self._quiet, self._plain = every - 1 - self.steps % every, []
         self.last_gamma = g
         return g
 
