@@ -21,18 +21,25 @@ Amortization Roofline objective of the paper:
   a line fitted through the measurements (never negative) from the nearest measured size.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
-The first steps probe the batch sizes the model needs (γ_max, γ_min, 1, γ_max/2, and γ_max again:
-the very first step of a session runs on cold caches and its times are dropped); afterwards
-every `probe_every`-th step takes the neighbour of the best γ whose verify cost was measured
-longest ago (if the model puts it close to the best), and every `probe_far`-th probe the γ
-measured longest ago of all that are not far worse, so the model follows the machine's load
-and the text's acceptance.
+The first steps probe the batch sizes the model needs: γ_min twice (the very first step of a
+session runs on cold caches and its times are dropped; a plain step costs what decoding without
+a draft costs), then 1, γ_max/2 and γ_max, the last two only if they could beat the best γ
+measured so far with every draft accepted and a verify pass no cheaper than the largest one
+measured below them (a small compute-bound target with a draft as slow as itself pays for none of
+them: their cost is a tenth of a 256-token answer there). Afterwards every `probe_every`-th step
+takes the neighbour of the best γ whose verify cost was measured longest ago (if the model puts
+it close to the best), and every `probe_far`-th probe the γ measured longest ago of all that are
+not far worse, so the model follows the machine's load and the text's acceptance. While γ = 0 is
+in force only every `plain_probe_every`-th probe is taken, and the plain steps in between do not
+ask the model at all (`next_gamma`).
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,6 +60,7 @@ class GovernorConfig:
     probe_margin: float = 0.15    # ... when the model puts it within 15% of the best;
     probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
+    plain_probe_every: int = 4    # while γ = 0 is in force, only every n-th probe step is taken
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -67,27 +75,34 @@ class Governor:
             g = gov.next_gamma()
             ... draft up to g tokens, verify ...
             gov.observe(n_drafted, n_accepted, draft_s, verify_s, other_s)
+
+    It runs twice per step of the loop, on a dozen numbers: plain Python floats, a fifth of the
+    time numpy's calls take on arrays that small; the public methods return arrays.
     """
 
     def __init__(self, cfg: GovernorConfig) -> None:
         self.cfg = cfg
         n = cfg.gamma_max
-        self.succ = np.zeros(n + 1)   # decayed counts, index i = draft position (1-based)
-        self.tried = np.zeros(n + 1)
-        self.n_accept = self.n_reject = 0.0
-        self.t_draft = np.nan        # seconds per drafted token
-        self.t_step = np.nan         # seconds per step outside drafting and verifying
-        self.t_verify = np.full(n + 2, np.nan)  # index n = batch size
-        self.measured_at = np.full(n + 2, -1)
+        self._succ = [0.0] * (n + 1)  # decayed counts, index i = draft position (1-based)
+        self._tried = [0.0] * (n + 1)
+        self._n_accept = self._n_reject = 0.0
+        self._decay = 1.0             # decay the counts still owe (applied when they are next used)
+        self.t_draft = math.nan      # seconds per drafted token
+        self.t_step = math.nan       # seconds per step outside drafting and verifying
+        self.t_verify = [math.nan] * (n + 2)  # index n = batch size
+        self.measured_at = [-1] * (n + 2)  # the step of the last measurement of each batch size
         self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
         self.steps = 0
         self.last_gamma = n
         self.current: int | None = None  # the γ in force (probes aside)
-        self._tps: np.ndarray | None = None
+        self._tps: list[float] | None = None
+        self._judged = False          # the last step judged drafts (its acceptance moved the model)
+        self._quiet = 0               # steps still to run at γ = 0 without asking the model
+        self._plain: list[tuple[float, float]] | None = None  # (verify, other) s of steps decided ahead
         # the first step pays for cold caches and first-touch page faults: its times are not
-        # kept, and its γ is probed again last
-        probes = [g for g in (n, cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2)) if cfg.gamma_min <= g <= n]
-        self._probes = [*dict.fromkeys(probes), n]
+        # kept, and its γ is probed again next
+        probes = [g for g in (cfg.gamma_min, min(1, n), max(cfg.gamma_min, n // 2), n) if cfg.gamma_min <= g <= n]
+        self._probes = [cfg.gamma_min, *dict.fromkeys(probes)]
 
     # -- measurements ---------------------------------------------------------------------
 
@@ -98,81 +113,161 @@ class Governor:
         if not 0 <= n_accepted <= n_drafted:
             raise ValueError(f"accepted {n_accepted} of {n_drafted} drafts")
         c = self.cfg
-        self.succ *= c.acceptance_decay
-        self.tried *= c.acceptance_decay
-        self.n_accept *= c.acceptance_decay
-        self.n_reject *= c.acceptance_decay
+        if self._plain is not None:
+            if n_drafted == 0:  # a step decided ahead: its times wait for the model's next use
+                self._plain.append((verify_s, other_s))
+                self._decay *= c.acceptance_decay
+                self.steps += 1
+                return
+            self._end_plain_run()
+        self._decay *= c.acceptance_decay
         g = min(n_drafted, c.gamma_max)
-        a = min(n_accepted, g)
-        self.succ[1:a + 1] += 1
-        self.tried[1:a + 1] += 1
-        self.n_accept += a
-        if a < g:  # draft a+1 was rejected; the ones after it were never judged
-            self.tried[a + 1] += 1
-            self.n_reject += 1
+        if g:
+            a = min(n_accepted, g)
+            succ, tried = self.succ, self.tried
+            for i in range(1, a + 1):
+                succ[i] += 1
+                tried[i] += 1
+            self._n_accept += a
+            if a < g:  # draft a+1 was rejected; the ones after it were never judged
+                tried[a + 1] += 1
+                self._n_reject += 1
         if self.steps > 0:
             if n_drafted > 0:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
             self.t_step = _average(self.t_step, other_s, c.cost_weight)
             b = min(n_drafted + 1, c.gamma_max + 1)
-            self._verify_times[b].append(verify_s)
-            self.t_verify[b] = float(np.median(self._verify_times[b]))
+            times = self._verify_times[b]
+            times.append(verify_s)
+            self.t_verify[b] = _median(times)
             self.measured_at[b] = self.steps
         self.steps += 1
         self._tps = None
+        self._judged = g > 0
+
+    def _fold(self) -> None:
+        """Take in the times of the steps decided ahead so far, as `observe` would have one by one."""
+        plain = self._plain
+        if not plain:
+            return
+        self._plain = []
+        times = self._verify_times[1]
+        for verify_s, other_s in plain:
+            self.t_step = _average(self.t_step, other_s, self.cfg.cost_weight)
+            times.append(verify_s)
+        self.t_verify[1] = _median(times)
+        self.measured_at[1] = self.steps - 1
+        self._tps = None
+        self._judged = False
+
+    def _end_plain_run(self) -> None:
+        self._fold()
+        self._plain, self._quiet = None, 0
 
     # -- the model ------------------------------------------------------------------------
+
+    def _counts(self) -> None:
+        """Apply the decay the counts owe: a step without drafts only multiplies `_decay`."""
+        d = self._decay
+        if d != 1.0:
+            self._succ = [x * d for x in self._succ]
+            self._tried = [x * d for x in self._tried]
+            self._n_accept *= d
+            self._n_reject *= d
+            self._decay = 1.0
+
+    @property
+    def succ(self) -> list[float]:
+        """Decayed count of accepted drafts at each position i = 1..γ_max."""
+        self._counts()
+        return self._succ
+
+    @property
+    def tried(self) -> list[float]:
+        """Decayed count of judged drafts at each position."""
+        self._counts()
+        return self._tried
 
     @property
     def alpha(self) -> float:
         """Geometric acceptance rate: accepted drafts / judged drafts, with the prior."""
         c = self.cfg
+        self._counts()
         a0 = c.prior_acceptance * c.prior_weight
-        return (self.n_accept + a0) / (self.n_accept + self.n_reject + c.prior_weight)
+        return (self._n_accept + a0) / (self._n_accept + self._n_reject + c.prior_weight)
 
     def acceptance(self) -> np.ndarray:
         """p_i for i = 1..γ_max (index 0 unused, 1.0)."""
+        return np.array(self._acceptance())
+
+    def _acceptance(self) -> list[float]:
         k = self.cfg.prior_weight
-        p = (self.succ + k * self.alpha) / (self.tried + k)
+        ka = k * self.alpha
+        p = [(s + ka) / (t + k) for s, t in zip(self.succ, self.tried)]
         p[0] = 1.0
         return p
 
     def expected_tokens(self) -> np.ndarray:
         """E(γ) for γ = 0..γ_max."""
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance()[1:]))])
+        return np.array(self._expected_tokens())
+
+    def _expected_tokens(self) -> list[float]:
+        e, reach, total = [1.0], 1.0, 0.0
+        for p in self._acceptance()[1:]:
+            reach *= p      # Π_{j≤i} p_j: draft i is accepted
+            total += reach
+            e.append(1.0 + total)
+        return e
 
     def verify_cost(self, n: int) -> float:
         """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
-        return float(self.verify_costs(np.array([n]))[0])
+        self._fold()
+        roofline = self._roofline()
+        return math.nan if roofline is None else _interpolate(roofline, n)
 
     def verify_costs(self, n: np.ndarray) -> np.ndarray:
-        """verify_cost for an array of batch sizes, in one pass (this runs every step)."""
-        known = np.flatnonzero(~np.isnan(self.t_verify))
-        if known.size == 0:
+        """verify_cost for an array of batch sizes."""
+        self._fold()
+        roofline = self._roofline()
+        if roofline is None:
             return np.full(len(n), np.nan)
-        t = self.t_verify[known]
+        return np.array([_interpolate(roofline, x) for x in np.asarray(n).tolist()])
+
+    def _roofline(self) -> tuple[list[int], list[float], float] | None:
+        """(measured batch sizes, their verify times, slope of the least-squares line through
+        them, never negative), or None before any measurement."""
+        known = [b for b, t in enumerate(self.t_verify) if t == t]  # t == t: not NaN
+        if not known:
+            return None
+        t = [self.t_verify[b] for b in known]
         slope = 0.0
-        if known.size > 1:  # least-squares line through the measurements
-            dx = known - known.mean()
-            slope = max(float(dx @ (t - t.mean()) / (dx @ dx)), 0.0)
-        below = np.maximum(t[0] + slope * (n - known[0]), 0.0)
-        above = t[-1] + slope * (n - known[-1])
-        return np.where(n < known[0], below, np.where(n > known[-1], above, np.interp(n, known, t)))
+        if len(known) > 1:
+            mean_b, mean_t = sum(known) / len(known), sum(t) / len(t)
+            dx = [b - mean_b for b in known]
+            slope = max(sum(x * (y - mean_t) for x, y in zip(dx, t)) / sum(x * x for x in dx), 0.0)
+        return known, t, slope
 
     def throughput(self) -> np.ndarray:
         """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable);
         computed once per observed step."""
-        if self._tps is None:
-            self._tps = self._throughput()
-        return self._tps
+        return np.array(self._throughput())
 
-    def _throughput(self) -> np.ndarray:
-        g = np.arange(self.cfg.gamma_max + 1)
-        t_draft = 0.0 if np.isnan(self.t_draft) else self.t_draft
-        t_step = 0.0 if np.isnan(self.t_step) else self.t_step
-        cost = g * t_draft + self.verify_costs(g + 1) + t_step
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return self.expected_tokens() / cost
+    def _throughput(self) -> list[float]:
+        self._fold()
+        if self._tps is None:
+            n = self.cfg.gamma_max
+            roofline = self._roofline()
+            if roofline is None:
+                self._tps = [math.nan] * (n + 1)
+                return self._tps
+            t_draft = 0.0 if math.isnan(self.t_draft) else self.t_draft
+            t_step = 0.0 if math.isnan(self.t_step) else self.t_step
+            tps = []
+            for g, e in enumerate(self._expected_tokens()):
+                cost = g * t_draft + _interpolate(roofline, g + 1) + t_step
+                tps.append(e / cost if cost else math.inf)
+            self._tps = tps
+        return self._tps
 
     # -- the decision ---------------------------------------------------------------------
 
@@ -180,26 +275,58 @@ class Governor:
         """The γ the model puts highest; the one in force stays unless another beats it by more
         than `switch_margin` (near the top the curve is flat, and noise must not make γ dither)."""
         c = self.cfg
-        tps = self.throughput()
-        if np.all(np.isnan(tps[c.gamma_min:])):
+        tps = self._throughput()
+        best, top = None, -math.inf
+        for g in range(c.gamma_min, c.gamma_max + 1):
+            if tps[g] > top:  # NaN never is
+                best, top = g, tps[g]
+        if best is None:
             return c.gamma_max
-        best = c.gamma_min + int(np.nanargmax(tps[c.gamma_min:]))
         keep = self.current
-        if keep is not None and keep != best and not tps[best] > (1 + c.switch_margin) * tps[keep]:
+        if keep is not None and keep != best and not top > (1 + c.switch_margin) * tps[keep]:
             return keep
         return best
 
     def next_gamma(self) -> int:
-        """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best."""
+        """γ for the next step: a warm-up probe, a periodic probe next to the best, or the best.
+
+        The best is chosen again after every step that judged drafts and at probes: a step
+        without drafts only refines the time of γ = 0. While γ = 0 is in force only every
+        `plain_probe_every`-th probe step is taken, and the steps up to it are answered without
+        the model, their times waiting in a list until the model is next used: a plain step is
+        the cheapest of all, so asking the model (its code and data come back from memory after
+        a decode: ~50 µs) weighs most there, and a probe from γ = 0 costs the most (the draft
+        catches up on every token it skipped). The loop then costs what a plain decode loop does.
+        """
+        if self._quiet:
+            self._quiet -= 1
+            return 0
+        self._end_plain_run()
         c = self.cfg
-        if self.steps < len(self._probes):
+        if self.steps < len(self._probes) and (self.steps < 3 or self._could_pay(self._probes[self.steps])):
             g = self._probes[self.steps]
         else:
-            g = self.current = self.best_gamma()
-            if c.probe_every and self.steps % c.probe_every == 0:
-                g = self._probe_near(g)
+            probe = c.probe_every > 0 and self.steps % c.probe_every == 0
+            if probe or self._judged or self.current is None:
+                self.current = self.best_gamma()
+            g = self._probe_near(self.current) if probe else self.current
+            every = c.probe_every * c.plain_probe_every
+            if g == self.current == 0 and every and self.steps + 1 >= len(self._probes):
+                self._quiet, self._plain = every - 1 - self.steps % every, []
         self.last_gamma = g
         return g
+
+    def _could_pay(self, gamma: int) -> bool:
+        """Whether γ could beat the best measured γ even with every draft accepted and a verify
+        pass that costs what the largest batch measured below γ + 1 did (more tokens never cost
+        less): a warm-up probe that cannot is skipped."""
+        measured = [b for b in range(1, gamma + 2) if self.t_verify[b] == self.t_verify[b]]
+        if not measured or math.isnan(self.t_draft):
+            return True
+        tps = self._throughput()
+        best = max(tps[b - 1] for b in measured)
+        t_step = 0.0 if math.isnan(self.t_step) else self.t_step
+        return (gamma + 1) / (gamma * self.t_draft + self.t_verify[measured[-1]] + t_step) > best
 
     def _probe_near(self, best: int) -> int:
         """The neighbour of `best` measured longest ago, if the model puts it within
@@ -207,7 +334,7 @@ class Governor:
         ago of all those within `probe_far_margin` (a measurement taken under a passing load must
         not stay forever)."""
         c = self.cfg
-        tps = self.throughput()
+        tps = self._throughput()
         if (self.steps // c.probe_every) % c.probe_far == 0:
             cand, margin = [x for x in range(c.gamma_min, c.gamma_max + 1) if x != best], c.probe_far_margin
         else:
@@ -217,4 +344,25 @@ class Governor:
 
 
 def _average(old: float, new: float, weight: float) -> float:
-    return new if np.isnan(old) else (1 - weight) * old + weight * new
+    return new if math.isnan(old) else (1 - weight) * old + weight * new
+
+
+def _median(values) -> float:
+    v = sorted(values)
+    h = len(v) // 2
+    return v[h] if len(v) % 2 else (v[h - 1] + v[h]) / 2
+
+
+def _interpolate(roofline: tuple[list[int], list[float], float], n: int) -> float:
+    """T_verify(n): linear between the measured sizes; outside them, the fitted slope from the
+    nearest one (never below 0)."""
+    known, t, slope = roofline
+    if n <= known[0]:
+        return max(t[0] + slope * (n - known[0]), 0.0)
+    if n >= known[-1]:
+        return t[-1] + slope * (n - known[-1])
+    j = bisect_left(known, n)
+    if known[j] == n:
+        return t[j]
+    x0, x1 = known[j - 1], known[j]
+    return t[j - 1] + (t[j] - t[j - 1]) * (n - x0) / (x1 - x0)

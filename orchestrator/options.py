@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import os
 import re
@@ -128,7 +129,36 @@ class Budget:
 
 # ----------------------------------------------------------------------------- the shared option block
 
-_DEFAULT_THREADS = max(1, min(os.cpu_count() or 1, 8))
+def default_threads(sys_devices: Path = Path("/sys/devices")) -> int:
+    """llama.cpp's default -t (`common_cpu_get_num_math`): one thread per physical core. Its
+    matmul threads run in lockstep, so the slowest sets the pace: a second hardware thread on a
+    core (sharing the core's vector units) or an efficiency core of a hybrid CPU slows them all.
+    On Linux, as llama.cpp: the distinct sibling sets of the CPUs, of the performance cores only
+    where the kernel lists them (hybrid Intel); elsewhere psutil's physical cores. No cap: the
+    former min(cpu_count, 8) counted hardware threads and left the cores of big machines idle."""
+    siblings = set()
+    for cpu in _cpu_list(sys_devices / "cpu_core" / "cpus") or itertools.count():
+        try:
+            siblings.add((sys_devices / f"system/cpu/cpu{cpu}/topology/thread_siblings").read_text().strip())
+        except OSError:
+            break
+    if siblings:
+        return len(siblings)
+    import psutil
+
+    return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+
+
+def _cpu_list(path: Path) -> list[int]:
+    """A kernel CPU list file ("0-7,16-23") as CPU numbers; [] when absent or unreadable."""
+    try:
+        spans = [span.partition("-") for span in path.read_text().strip().split(",")]
+        return [c for a, _, b in spans for c in range(int(a), int(b or a) + 1)]
+    except (OSError, ValueError):
+        return []
+
+
+_DEFAULT_THREADS = default_threads()
 
 
 @dataclass(frozen=True)
@@ -165,7 +195,7 @@ OPTIONS: dict[str, _Opt] = {
         "-ngl", "--n-gpu-layers", help="target layers whose non-expert weights go to the GPU: a number, 'all' or "
         "'auto' (what fits in free device memory)")),
     "threads": _Opt("model", int, _DEFAULT_THREADS, typer.Option(
-        "-t", "--threads", help="CPU threads; <= 0 = the default (as llama.cpp)")),
+        "-t", "--threads", help="CPU threads (default: the physical cores, as llama.cpp); <= 0 = the default")),
     "repack": _Opt("model", str, "auto", typer.Option(
         "--repack", help="host weights' layout: auto (per tensor type, measured on this CPU: llama.cpp's repacked "
         "kernels where they decode faster, the file's plain layout for prompts where that is faster; the experts "

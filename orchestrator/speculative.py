@@ -118,6 +118,7 @@ class Session:
         self._models: list[Model] = []
         self._contexts: list[Context] = []
         self._tokens: list[int] = []
+        self._pieces: dict[int, bytes | None] = {}  # token → its bytes, None: end of generation
         self._plan_in_force: Plan | None = None
         self._plan_sent: Plan | None = None
         self._stats_prev: dict | None = None
@@ -285,6 +286,7 @@ class Session:
         rec = self.recorder
         rec.start(len(prompt_tokens), self.engine.stats() if self.engine else None)
         stream = TextStream(stop)
+        pieces = self._pieces
         reason = "interrupted"
         n_out = 0
         try:
@@ -302,17 +304,22 @@ class Session:
                 gamma = self.governor.next_gamma() if adaptive else self.gamma
                 gamma = min(gamma, max_tokens - n_out - 1, room - 1)
                 t_step = time.perf_counter()
-                n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                if gamma > 0:
+                    n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                else:
+                    n_drafted = n_accepted = 0
+                    new = [self._plain_step(sampling, rng)]
                 rec.step(n_drafted, n_accepted)
                 if self.on_verify_step is not None:
                     self.on_verify_step(time.perf_counter() - t_step)
                 kept, chunk = 0, []
                 for t in new:
                     kept += 1
-                    if self.target.is_eog(t):
+                    piece = pieces[t] if t in pieces else self._piece(t)
+                    if piece is None:
                         reason = "eos"
                         break
-                    chunk.append(stream.push(self.target.piece(t)))
+                    chunk.append(stream.push(piece))
                     if stream.stopped:
                         reason = "stop"
                         break
@@ -334,6 +341,11 @@ class Session:
             self._sync()
             self.last_metrics = rec.finish(reason, self.engine.stats() if self.engine else None)
             self.last_text = stream.text
+
+    def _piece(self, token: int) -> bytes | None:
+        """The token's bytes (None: an end-of-generation token), asked of llama.cpp once."""
+        piece = self._pieces[token] = None if self.target.is_eog(token) else self.target.piece(token)
+        return piece
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -388,6 +400,23 @@ class Session:
         if self.governor is not None:
             self.governor.observe(len(drafts), a, t1 - t0, t2 - t1, time.perf_counter() - t2)
         return len(drafts), a, [*drafts[:a], nxt]
+
+    def _plain_step(self, sampling: SamplingParams, rng) -> int:
+        """γ = 0: one decode of the target, as a target-only loop runs it (no draft, nothing to
+        verify or trim); the target's next token. The governor still times it, and with an
+        engine the policy still sees its routing."""
+        t0 = time.perf_counter()
+        self.ctx.decode(self._tokens[-1:])
+        row = self.ctx.logits()[-1]
+        nxt = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)
+        t1 = time.perf_counter()
+        if self.engine is not None:
+            if self.draft_routing is not None:
+                self.last_draft_routing = np.zeros((0, self.engine.n_moe_layers, self.engine.n_expert_used), np.int32)
+            self._after_verify(0, 0, 0.0, t1 - t0)
+        if self.governor is not None:
+            self.governor.observe(0, 0, 0.0, t1 - t0, time.perf_counter() - t1)
+        return nxt
 
     def _after_verify(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """Routing of the verify pass → policy → plan, handed to the engine before drafting."""
@@ -451,7 +480,8 @@ class Session:
         self._sync()
         self._tokens = list(prompt)
         cached = self.ctx.n_past
-        for c in (self.ctx, self.draft_ctx):
+        # the draft first: the target decodes next, and its weights should be the ones in the cache
+        for c in (self.draft_ctx, self.ctx):
             if c is not None and c.n_past < len(prompt) - 1:
                 c.decode(prompt[c.n_past:-1], logits_all=False)
         return cached

@@ -171,3 +171,26 @@ def test_parse_budget():
     assert parse_budget("512M") == (512_000_000, 0.0)
     assert parse_budget("2GiB") == (2 << 30, 0.0)
     assert parse_budget("123") == (123, 0.0)
+
+
+def _fake_sysfs(root: Path, siblings: list[str], performance: str | None = None) -> Path:
+    for cpu, mask in enumerate(siblings):
+        topo = root / f"system/cpu/cpu{cpu}/topology"
+        topo.mkdir(parents=True)
+        (topo / "thread_siblings").write_text(mask + "\n")
+    if performance is not None:
+        (root / "cpu_core").mkdir()
+        (root / "cpu_core" / "cpus").write_text(performance + "\n")
+    return root
+
+
+def test_default_threads_are_the_physical_cores_as_llama_cpp(tmp_path):
+    from orchestrator.options import default_threads
+
+    # 4 cores with 2 hardware threads each (siblings 0+4, 1+5, ...): 4 threads
+    assert default_threads(_fake_sysfs(tmp_path / "smt", ["11", "22", "44", "88"] * 2)) == 4
+    # hybrid: CPUs 0-3 are two performance cores with 2 threads each, 4-7 efficiency cores: 2
+    assert default_threads(_fake_sysfs(tmp_path / "hybrid", ["03", "03", "0c", "0c", "10", "20", "40", "80"],
+                                       performance="0-3")) == 2
+    # no sysfs: psutil's physical cores
+    assert default_threads(tmp_path / "none") >= 1

@@ -9,6 +9,7 @@ runs with the expert pool on (second CPU buffer) and live plans every step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -375,6 +376,52 @@ def test_adaptive_gamma_is_lossless_and_bounded(models, references, tmp_path):
         assert g.steps > 0 and 0 <= g.last_gamma <= 6 and 0 <= g.best_gamma() <= 6
     with session(models, tmp_path, gamma=6, adaptive_gamma=False) as s:
         assert s.governor is None
+
+
+def test_gamma_0_steps_are_plain_target_decodes_and_stay_lossless(models, references, tmp_path):
+    """γ = 0 (the governor's choice where drafting cannot pay) is one plain decode of the target:
+    no draft call, no verify step. Steps of γ > 0 in between make the draft catch up on what it
+    missed, and the greedy text stays the target's."""
+    schedule = itertools.cycle([0, 0, 0, 3, 0, 1, 0, 0, 0, 0, 4, 2])
+    with session(models, tmp_path, gamma=4) as s:
+        s.governor.next_gamma = lambda: next(schedule)
+        seen = {"plain": 0, "spec": 0, "draft_in_plain": 0}
+        draft_decode, plain_step, step = s.draft_ctx.decode, s._plain_step, s._step
+
+        def counting_draft_decode(*a, **kw):
+            seen["draft_in_plain"] += seen.get("in_plain", False)
+            return draft_decode(*a, **kw)
+
+        def counting_plain(*a):
+            seen["plain"] += 1
+            seen["in_plain"] = True
+            try:
+                return plain_step(*a)
+            finally:
+                seen["in_plain"] = False
+
+        def counting_step(gamma, *a):
+            assert gamma > 0
+            seen["spec"] += 1
+            return step(gamma, *a)
+
+        s.draft_ctx.decode, s._plain_step, s._step = counting_draft_decode, counting_plain, counting_step
+        for prompt, ref in list(zip(prompts(), references))[:6]:
+            c = s.complete(prompt, max_tokens=N_TOKENS)
+            assert c.tokens == ref, f"prompt {prompt}: first difference at {_first_diff(c.tokens, ref)}"
+        assert seen["plain"] > 100 and seen["spec"] > 20 and seen["draft_in_plain"] == 0
+        assert s.governor.steps == seen["plain"] + seen["spec"]  # every step was timed
+
+
+def test_seeded_sampling_with_gamma_0_is_target_sampling(models, tmp_path):
+    """With γ = 0 the draft is never asked: the same seed gives the text of the target alone."""
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=11)
+    with session(models, tmp_path, gamma=0) as s:
+        with_draft = s.complete(prompts()[2], max_tokens=48, sampling=params)
+        assert s.draft_ctx.n_past == len(prompts()[2]) - 1  # prefilled, then never decoded
+    with session(models, tmp_path, draft=None) as s:
+        alone = s.complete(prompts()[2], max_tokens=48, sampling=params)
+    assert with_draft.tokens == alone.tokens and with_draft.metrics.n_drafted == 0
 
 
 def test_seeded_sampling_drafts_a_fixed_gamma(models, tmp_path):
