@@ -109,7 +109,8 @@ def _run_info(session, setup, opts: RunOptions) -> dict:
             "budget_bytes": session.cfg.budget_bytes, "budget_ratio": session.cfg.budget_ratio,
             "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,
             "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers, "n_threads": session.cfg.n_threads,
-            "host_layout": session.target.layout.to_dict(), "host_layout_summary": session.target.layout_report()}
+            "host_layout": session.target.layout.to_dict(), "host_layout_summary": session.target.layout_report(),
+            "draft_host_layout_summary": session.draft.layout_report() if session.draft not in (None, session.target) else None}
 
 
 def _write(text: str) -> None:

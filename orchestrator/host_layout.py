@@ -20,6 +20,7 @@ backend. A layout that does not take a tensor (type or row count) is reported as
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -105,14 +106,7 @@ def _bind() -> dict:
     }
 
 
-_api: dict | None = None
-
-
-def _lib() -> dict:
-    global _api
-    if _api is None:
-        _api = _bind()
-    return _api
+_lib = functools.cache(_bind)  # bound once, on first use
 
 
 def cpu_buffer_types() -> dict[str, int]:
