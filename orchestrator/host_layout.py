@@ -356,7 +356,10 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     bufts = cpu_buffer_types()
     if REPACK_BUFT not in bufts:
         return HostLayout(mode, use_extra_bufts=False)
-    n_used, tensors = read_weights(path)
+    try:
+        n_used, tensors = read_weights(path)
+    except ValueError:  # not a GGUF ggml can read: llama.cpp's loader says why in its own words
+        return HostLayout(mode, use_extra_bufts=False)
     experts: dict[int, set] = {}
     weights = []  # (name, type, shape) of every matrix a matmul reads
     for name, ggml_type, shape in tensors:
