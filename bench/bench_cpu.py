@@ -2,10 +2,11 @@
 threads, in one run.
 
 For each file: stock `llama-bench` (built from the pinned tree, `scripts/build_native.py --stock`)
-with `--repack 0` and `--repack 1` (its default), and spac's target-only decoding as a user runs it
-(`orchestrator.speculative.Session`, no draft, pool off as on a machine without a GPU) with
-`--repack` as given (default: spac's default). Printed: tg (single-token decode of --n-gen tokens
-from an empty context) and pp (one --n-prompt-token prompt) tok/s, the median of --repeats,
+with `--repack 0` and `--repack 1` (its default), and spac's target-only decoding (the model loaded
+as `spac generate` loads it, pool off as on a machine without a GPU, decoded through
+`orchestrator.llm`) with `--repack` as given (default: spac's default), both timed the same way:
+tg = --n-gen single-token decodes of random tokens from an empty context (decoding, not sampling),
+pp = one --n-prompt-token prompt after a warm-up run of it. Printed: tok/s, the median of --repeats,
 spac ÷ llama.cpp's default and ÷ the better of its two settings (per phase and both at once),
 and each process's peak resident memory.
 
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--spac-repack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--json", type=Path, help="also write the rows here as a JSON list")
     ap.add_argument("--spac-row", type=Path, help=argparse.SUPPRESS)
