@@ -9,8 +9,11 @@ slower on a 512-token prompt), so `auto` times one expert matmul (MUL_MAT_ID, th
 shape, random routing) in both layouts at one token, at a verify batch and at a prefill ubatch.
 A type is repacked where decoding (one token and the verify batch) is faster repacked; where a
 prompt is faster on the plain layout, prompt ubatches read plain twins of its weights (the file's
-bytes in place, patch 0010: `native.model_plain_twins`). The times are cached per CPU (model
-name and flags), build, threads and shape, beside the warm-up calibration.
+bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that stay on the host
+(attention, output head: MUL_MAT) go, per type, to whichever CPU buffer type decodes them fastest:
+the plain one, CPU_REPACK, or AMX on CPUs that have it (patches 0011-0012 make it safe). The
+times are cached per CPU (model name and flags), build, threads and shape, beside the warm-up
+calibration.
 
 The micro-benchmark speaks ggml's public C API through ctypes (the libraries llama.cpp loaded):
 a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
@@ -42,6 +45,9 @@ PREFILL_MIN_TOKENS = 65
 # timing more experts than this buys nothing: fewer experts at the same tokens per expert is the
 # same kernel work per expert, and the benchmark stays within seconds for a 128-expert model
 MAX_BENCH_EXPERTS = 32
+# likewise rows of a dense weight (the output head has a row per vocabulary entry): the time per
+# row is the same for every block of rows
+MAX_BENCH_ROWS = 4096
 _GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
 
 
@@ -85,6 +91,7 @@ def _bind() -> dict:
         "alloc_ctx_tensors": fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", p, p, p),
         "buffer_free": fn(base, "ggml_backend_buffer_free", None, p),
         "tensor_set": fn(base, "ggml_backend_tensor_set", None, p, p, c_size_t, c_size_t),
+        "tensor_get": fn(base, "ggml_backend_tensor_get", None, p, p, c_size_t, c_size_t),
         "dev_by_type": fn(reg, "ggml_backend_dev_by_type", p, c_int),
         "dev_backend_reg": fn(base, "ggml_backend_dev_backend_reg", p, p),
         "dev_buffer_type": fn(base, "ggml_backend_dev_buffer_type", p, p),
@@ -125,11 +132,12 @@ def cpu_buffer_types() -> dict[str, int]:
     return out
 
 
-def time_mul_mat_id(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
-                    buft: int, n_threads: int, repeats: int = 3, seed: int = 0) -> float | None:
+def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
+                buft: int, n_threads: int, repeats: int = 3, seed: int = 0) -> float | None:
     """Seconds of one MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type
-    `buft`, F32 activations, n_used distinct random experts per token), the best of at least
-    `repeats` runs after a warm-up; None where that buffer type does not take the weight."""
+    `buft`, F32 activations, n_used distinct random experts per token), or with n_expert = 0 of one
+    MUL_MAT (weight [n_in, n_out]); the best of at least `repeats` runs after a warm-up; None where
+    that buffer type does not take the weight."""
     g = _lib()
     dev = g["dev_by_type"](0)
     overhead = g["tensor_overhead"]()
@@ -137,10 +145,16 @@ def time_mul_mat_id(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used
     ctx = g["init"](_InitParams(overhead * 8 + g["graph_overhead"](), None, True))
     buffers, backend = [], None
     try:
-        w = g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, n_expert)
-        x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, n_used, n_tokens)
-        ids = g["new_tensor_2d"](ctx, _GGML_TYPE_I32, n_used, n_tokens)
-        out = g["mul_mat_id"](ctx, w, x, ids)
+        if n_expert:
+            w = g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, n_expert)
+            x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, n_used, n_tokens)
+            ids = g["new_tensor_2d"](ctx, _GGML_TYPE_I32, n_used, n_tokens)
+            out = g["mul_mat_id"](ctx, w, x, ids)
+        else:
+            w = g["new_tensor_2d"](ctx_w, ggml_type, n_in, n_out)
+            x = g["new_tensor_2d"](ctx, _GGML_TYPE_F32, n_in, n_tokens)
+            ids, n_used = None, 1
+            out = g["mul_mat"](ctx, w, x)
         for c, b in ((ctx_w, buft), (ctx, g["dev_buffer_type"](dev))):
             buffers.append(g["alloc_ctx_tensors"](c, b))
             if not buffers[-1]:
@@ -150,7 +164,7 @@ def time_mul_mat_id(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used
         rng = np.random.default_rng(seed)
         # a few quantized rows repeated: the kernels' speed does not depend on the values, and
         # quantizing a whole tensor (IQ4_NL searches per block) would take longer than timing it
-        rows = n_out * n_expert
+        rows = n_out * max(n_expert, 1)
         sample = min(rows, 64)
         src = rng.standard_normal((sample, n_in), dtype=np.float32) / np.sqrt(n_in)
         block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
@@ -159,8 +173,9 @@ def time_mul_mat_id(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used
         g["tensor_set"](w, data.ctypes.data, 0, data.nbytes)
         xs = rng.standard_normal((n_tokens, n_used, n_in), dtype=np.float32)
         g["tensor_set"](x, xs.ctypes.data, 0, xs.nbytes)
-        chosen = np.argsort(rng.random((n_tokens, n_expert)), axis=1)[:, :n_used].astype(np.int32)
-        g["tensor_set"](ids, chosen.ctypes.data, 0, chosen.nbytes)
+        if ids:
+            chosen = np.argsort(rng.random((n_tokens, n_expert)), axis=1)[:, :n_used].astype(np.int32)
+            g["tensor_set"](ids, chosen.ctypes.data, 0, chosen.nbytes)
         graph = g["new_graph"](ctx)
         g["build_forward_expand"](graph, out)
         backend = g["cpu_init"]()
@@ -229,24 +244,39 @@ class TypeChoice:
 
 
 @dataclass
+class DenseChoice:
+    """The buffer type of one tensor type's dense host weights (attention, shared experts, output
+    head: MUL_MAT, where llama.cpp also has AMX) and why, with the times (ms at DECODE_TOKENS,
+    VERIFY_TOKENS and PREFILL_TOKENS) of every buffer type that takes them."""
+
+    type: str
+    buft: str
+    why: str
+    ms: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
 class HostLayout:
     mode: str                                   # auto | on | off
     use_extra_bufts: bool                       # llama.cpp's own choice (mode "on")
     repacked: list[str] = field(default_factory=list)   # tensor names given CPU_REPACK (mode "auto")
     types: dict[str, TypeChoice] = field(default_factory=dict)
+    dense: dict[str, DenseChoice] = field(default_factory=dict)
+    placed: dict[str, list[str]] = field(default_factory=dict)  # other buffer types (AMX): tensor names
     n_plain_twins: int = 0                      # repacked expert tensors with a plain twin for prefill
 
     def overrides(self) -> list[tuple[bytes, int]]:
         """llama.cpp tensor-buffer overrides (regex, buffer type) putting `repacked` in CPU_REPACK."""
-        if not self.repacked:
-            return []
-        names = "|".join(re.escape(n) for n in self.repacked)
-        return [(f"^({names})$".encode(), cpu_buffer_types()[REPACK_BUFT])]
+        bufts = cpu_buffer_types()
+        return [(f"^({'|'.join(re.escape(n) for n in names)})$".encode(), bufts[buft])
+                for buft, names in ((REPACK_BUFT, self.repacked), *self.placed.items()) if names]
 
     def report(self) -> str:
         if self.mode != "auto":
             return {"on": "repacked wherever llama.cpp can (--repack on)", "off": "plain (--repack off)"}[self.mode]
-        return "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
+        experts = "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
+        dense = "; ".join(f"{c.type} {c.buft} ({c.why})" for c in self.dense.values() if c.buft != "CPU")
+        return f"{experts}; dense weights: {dense}" if dense else experts
 
     def plain_prefill_types(self) -> list[int]:
         """ggml types whose repacked experts read a plain twin on prefill ubatches."""
@@ -256,6 +286,7 @@ class HostLayout:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},
+                "dense": {k: asdict(v) for k, v in self.dense.items()},
                 "n_repacked_tensors": len(self.repacked) if self.mode == "auto" else None,
                 "n_plain_twins": self.n_plain_twins}
 
@@ -334,10 +365,30 @@ def _timed(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: i
             for n_in, n_out, n_expert, n_used in shapes:
                 ne = min(n_expert, MAX_BENCH_EXPERTS)
                 toks = max(1, n_tokens * ne // n_expert) if n_tokens == PREFILL_TOKENS else n_tokens
-                t = time_mul_mat_id(ggml_type, n_in, n_out, ne, min(n_used, ne), toks, bufts[layout], n_threads)
+                t = time_matmul(ggml_type, n_in, n_out, ne, min(n_used, ne), toks, bufts[layout], n_threads)
                 total += t * 1e3 * (n_tokens / toks)  # the prefill's share, rescaled to its token count
             out[layout].append(total)
     return out["CPU"], out[REPACK_BUFT]
+
+
+def _timed_dense(ggml_type: int, shapes: list[tuple[int, int]], n_threads: int, bufts: dict) -> dict[str, list[float]]:
+    """Per buffer type that takes every one of the type's dense weights, the summed time (ms) of
+    their matmuls at each batch."""
+    out = {}
+    for name, buft in bufts.items():
+        if not all(supports(ggml_type, n_in, n_out, 0, buft) for n_in, n_out in shapes):
+            continue
+        out[name] = []
+        for n_tokens in (DECODE_TOKENS, VERIFY_TOKENS, PREFILL_TOKENS):
+            total = 0.0
+            for n_in, n_out in shapes:
+                rows = min(n_out, MAX_BENCH_ROWS)
+                if rows < n_out and not supports(ggml_type, n_in, rows, 0, buft):
+                    rows = n_out
+                t = time_matmul(ggml_type, n_in, rows, 0, 1, n_tokens, buft, n_threads)
+                total += t * 1e3 * (n_out / rows)
+            out[name].append(total)
+    return out
 
 
 def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool = False,
@@ -361,6 +412,7 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     except ValueError:  # not a GGUF ggml can read: llama.cpp's loader says why in its own words
         return HostLayout(mode, use_extra_bufts=False)
     experts: dict[int, set] = {}
+    dense: dict[int, set] = {}
     weights = []  # (name, type, shape) of every matrix a matmul reads
     for name, ggml_type, shape in tensors:
         if len(shape) < 2 or name.startswith("token_embd") or ggml_type in (0, 1, 30):  # F32, F16, BF16
@@ -370,6 +422,8 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         weights.append((name, ggml_type, shape))
         if "_exps" in name and len(shape) == 3:
             experts.setdefault(ggml_type, set()).add((shape[0], shape[1], shape[2], n_used))
+        elif len(shape) == 2 and not offloaded:  # with a GPU the dense weights are on it
+            dense.setdefault(ggml_type, set()).add((shape[0], shape[1]))
     cache = cache or layout_cache_path()
     try:
         cached = json.loads(cache.read_text())
@@ -391,6 +445,20 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
             why = f"repacked: decode {gain:.2f}x, prefill {plain[2] / repacked[2]:.2f}x"
             choice = TypeChoice(name, gain > 1.0, why, plain, repacked, plain_prefill=gain > 1.0 and plain[2] < repacked[2])
         layout.types[name] = choice
+    for ggml_type, shapes in sorted(dense.items()):
+        name = gguf.GGMLQuantizationType(ggml_type).name
+        key = f"{key_base}|dense|{name}|{sorted(shapes)}"
+        if key not in cached:
+            cached[key] = _timed_dense(ggml_type, sorted(shapes), n_threads, bufts)
+        ms = cached[key]
+        if not ms:
+            continue
+        # decode (one token and the verify batch) decides, as for the experts
+        best = min(ms, key=lambda b: ms[b][0] + ms[b][1])
+        plain = ms.get("CPU")
+        why = (f"decode {(plain[0] + plain[1]) / (ms[best][0] + ms[best][1]):.2f}x, prefill {plain[2] / ms[best][2]:.2f}x"
+               if plain and best != "CPU" else "fastest measured")
+        layout.dense[name] = DenseChoice(name, best, why, ms)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
@@ -399,7 +467,13 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     except OSError:
         pass  # a read-only cache dir only costs the measurement next time
     repack_types = {gguf.GGMLQuantizationType[n].value for n, c in layout.types.items() if c.repack}
-    layout.repacked = [name for name, ggml_type, shape in weights if ggml_type in repack_types and
-                       supports(ggml_type, shape[0], shape[1], shape[2] if len(shape) == 3 else 0,
-                                bufts[REPACK_BUFT])]
+    dense_buft = {gguf.GGMLQuantizationType[n].value: c.buft for n, c in layout.dense.items()}
+    for name, ggml_type, shape in weights:
+        if len(shape) == 3:
+            if ggml_type in repack_types and supports(ggml_type, *shape, bufts[REPACK_BUFT]):
+                layout.repacked.append(name)
+        elif dense_buft.get(ggml_type, "CPU") == REPACK_BUFT:
+            layout.repacked.append(name)
+        elif dense_buft.get(ggml_type, "CPU") != "CPU":
+            layout.placed.setdefault(dense_buft[ggml_type], []).append(name)
     return layout

@@ -99,7 +99,6 @@ def cmake_args(args: argparse.Namespace) -> list[str]:
     out = list(BASE_CMAKE_ARGS)
     if args.rpc:
         out.append("-DGGML_RPC=ON")
-    out += no_amx_args()
     if args.sanitize:
         # ggml's and llama's own options; OpenMP's runtime is not instrumented (TSan would report
         # its barriers), so a sanitized build uses ggml's own thread pool
@@ -192,8 +191,9 @@ def _cublas_from_wheel(python: str, major: int) -> list[str]:
 
 
 def no_amx_args() -> list[str]:
-    """ggml-cpu's AMX matmul segfaults on some AMX machines (upstream issue 20824, no fix);
-    -march=native would compile it in, so turn the AMX instructions off explicitly."""
+    """Unpatched, ggml-cpu's AMX matmul crashes when GCC 12 builds it at -O3 (patch 0011 says
+    why; upstream issue 20824) and gives wrong results with batch dims (patch 0012), so the stock
+    build turns the AMX instructions off explicitly (-march=native would compile them in)."""
     if not _cpu_has_amx():
         return []
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

@@ -54,7 +54,10 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
             assert choice.repack == (decode_gain > 1.0)
             assert choice.plain_prefill == (choice.repack and choice.plain_ms[2] < choice.repack_ms[2])
     cache = json.loads((tmp_path / "cache" / "host_layout.json").read_text())
-    assert len(cache) == sum(c.repack_ms is not None or c.plain_ms == [] for c in layout.types.values())
+    experts = [k for k in cache if "|dense|" not in k]
+    assert len(experts) == sum(c.repack_ms is not None or c.plain_ms == [] for c in layout.types.values())
+    for choice in layout.dense.values():  # the dense weights' buffer type: the fastest at decoding
+        assert choice.buft == min(choice.ms, key=lambda b: sum(choice.ms[b][:2])) and "CPU" in choice.ms
     again = host_layout.choose(files["q4_k_m"], n_threads=2)
     assert again.report() == layout.report() and again.repacked == layout.repacked
 
@@ -125,8 +128,9 @@ def test_prompt_reads_the_plain_twins(files, monkeypatch):
         for c in layout.types.values():
             c.plain_prefill = c.repack_ms is not None
             c.repack = c.repack or c.plain_prefill
-        if layout.mode == "auto":
+        if layout.mode == "auto":  # the Q4_K experts alone: the dense weights keep the file's layout
             layout.repacked = [n for n, t, shape in host_layout.read_weights(args[0])[1] if "_exps" in n and t == 12]
+            layout.placed = {}
         return layout
 
     monkeypatch.setattr(host_layout, "choose", forced)
@@ -165,3 +169,57 @@ def test_greedy_speculative_is_lossless_on_the_default_kernels(files, tmp_path, 
 
 if __name__ == "__main__":
     rpc_main(check_gpu_keeps_plain_experts)
+
+
+def mul_mat(buft_name: str, ggml_type: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """ggml's MUL_MAT of `w` [N, K] (quantized to ggml_type, in the named CPU buffer type) and
+    `x` [B, M, K] (F32) on the CPU backend, 2 threads: [B, M, N]."""
+    g = host_layout._lib()
+    ip = host_layout._InitParams
+    dev = g["dev_by_type"](0)
+    ctx_w = g["init"](ip(g["tensor_overhead"]() * 2, None, True))
+    ctx = g["init"](ip(g["tensor_overhead"]() * 8 + g["graph_overhead"](), None, True))
+    (n, k), (b, m, _) = w.shape, x.shape
+    wt = g["new_tensor_2d"](ctx_w, ggml_type, k, n)
+    xt = g["new_tensor_3d"](ctx, 0, k, m, b)
+    out = g["mul_mat"](ctx, wt, xt)
+    bufs = [g["alloc_ctx_tensors"](ctx_w, host_layout.cpu_buffer_types()[buft_name]),
+            g["alloc_ctx_tensors"](ctx, g["dev_buffer_type"](dev))]
+    backend = g["cpu_init"]()
+    try:
+        q = np.empty(g["nbytes"](wt), dtype=np.uint8)
+        g["quantize_chunk"](ggml_type, np.ascontiguousarray(w).ctypes.data, q.ctypes.data, 0, n, k, None)
+        g["tensor_set"](wt, q.ctypes.data, 0, q.nbytes)
+        g["tensor_set"](xt, np.ascontiguousarray(x).ctypes.data, 0, x.nbytes)
+        graph = g["new_graph"](ctx)
+        g["build_forward_expand"](graph, out)
+        g["cpu_set_n_threads"](backend, 2)
+        g["graph_compute"](backend, graph)
+        res = np.empty((b, m, n), dtype=np.float32)
+        g["tensor_get"](out, res.ctypes.data, 0, res.nbytes)
+        return res
+    finally:
+        g["backend_free"](backend)
+        for buf in bufs:
+            g["buffer_free"](buf)
+        g["free"](ctx)
+        g["free"](ctx_w)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_amx_mul_mat_equals_the_plain_kernel(type_name):
+    """Patches 0011 and 0012: llama.cpp's AMX matmul at one token, a verify batch, full tiles and
+    3-D activations (batch dims, the weight broadcast) gives the plain kernel's result. Unpatched,
+    a GCC 12 -O3 build crashed on every matmul of more than one row, and batches after the first
+    were read and written at the wrong place."""
+    if "AMX" not in host_layout.cpu_buffer_types():
+        pytest.skip("this CPU (or build) has no AMX")
+    import gguf
+
+    ggml_type = gguf.GGMLQuantizationType[type_name].value
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 256), dtype=np.float32)
+    for m, b in ((1, 1), (9, 1), (32, 1), (1, 3), (9, 2)):
+        x = rng.standard_normal((b, m, 256), dtype=np.float32)
+        plain, amx = mul_mat("CPU", ggml_type, w, x), mul_mat("AMX", ggml_type, w, x)
+        assert np.abs(amx - plain).max() <= 1e-5 * np.abs(plain).max(), (type_name, m, b)

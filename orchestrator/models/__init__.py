@@ -53,8 +53,8 @@ def load_llama(path: str | os.PathLike[str], n_ctx: int = 512, f32_kv: bool = Fa
 
     f32_kv: F32 K/V cache (for comparing logits with a reference implementation).
     extra_bufts: llama.cpp's extra CPU buffer types (weight repacking, AMX). Off by default:
-    on CPUs that report AMX, the AMX buffer type crashed in quantized matmuls in the pinned
-    build, and repacking makes no difference at these sizes."""
+    the reference path of the tests is the file's own layout, and repacking makes no difference
+    at these sizes."""
     import llama_cpp
     import llama_cpp.llama_cpp as capi
 
