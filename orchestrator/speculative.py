@@ -128,6 +128,7 @@ class Session:
         self.on_verify_step: Callable[[float], None] | None = None
         self.last_metrics: RunMetrics | None = None
         self.last_text = ""
+        self.last_tokens: list[int] = []  # ids of the last generation's tokens (an ending EOG token included)
         try:
             self._open(cfg)
         except BaseException:
@@ -268,8 +269,7 @@ class Session:
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingParams = SamplingParams()) -> Completion:
         text = "".join(self.generate(prompt, max_tokens, stop, sampling))
-        n_prompt = self.last_metrics.n_prompt_tokens
-        return Completion(text, list(self._tokens[n_prompt:]), self.last_metrics)
+        return Completion(text, list(self.last_tokens), self.last_metrics)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingParams = SamplingParams()) -> Iterator[str]:
@@ -341,6 +341,7 @@ class Session:
             self._sync()
             self.last_metrics = rec.finish(reason, self.engine.stats() if self.engine else None)
             self.last_text = stream.text
+            self.last_tokens = self._tokens[len(prompt_tokens):]
 
     def _piece(self, token: int) -> bytes | None:
         """The token's bytes (None: an end-of-generation token), asked of llama.cpp once."""
