@@ -12,8 +12,9 @@ gpt-oss: its harmony template); then
     stock llama-quantize (scripts/build_native.py --stock)  →  Q8_0, Q4_K_M, and a Q4_0 self-draft
     transformers' greedy tokens of PROMPTS on the float32 model, with the top-1/top-2 margin of
     every position  →  reference.json
-Everything lands in OUT/<key>/<arch>/ (key: a hash of this script, the lock file and the
-transformers version); manifest.json is written last, and a directory that has it is reused.
+Everything lands in OUT/<key>/<arch>/ (key: a hash of this script and the lock file);
+manifest.json, written last, names the versions that made them, and a directory that has it is
+reused as it is (`cached`: no torch needed to use the files, e.g. CI's Python 3.10 run).
 
 The converter knows a BPE pre-tokenizer by the hash of a tokenization of its own test text,
 which a freshly trained tokenizer cannot match: the conversion runs the converter's own
@@ -120,12 +121,18 @@ assistant: The capital of France is Paris.
 # ----------------------------------------------------------------------------- building blocks
 
 def cache_key() -> str:
-    import transformers
-
     h = hashlib.sha256(Path(__file__).read_bytes())
     h.update((ROOT / "vendor" / "llama-cpp-python.lock").read_bytes())
-    h.update(transformers.__version__.encode())
     return h.hexdigest()[:12]
+
+
+def cached(out_root: Path = DEFAULT_OUT, archs: list[str] | None = None) -> Path | None:
+    """OUT/<key> when it holds every architecture asked for, else None."""
+    out = out_root / cache_key()
+    manifest = out / "manifest.json"
+    if manifest.exists() and set(archs or ARCHS) <= set(json.loads(manifest.read_text())["archs"]):
+        return out
+    return None
 
 
 def stock_bin(name: str) -> Path:
@@ -272,11 +279,15 @@ def build_arch(arch: str, out: Path, quantizer: Path) -> dict:
 
 def build(out_root: Path = DEFAULT_OUT, archs: list[str] | None = None) -> Path:
     """Build (or reuse) the files; returns OUT/<key>."""
+    found = cached(out_root, archs)
+    if found is not None:
+        return found
+    import tokenizers
+    import torch
+    import transformers
+
     out = out_root / cache_key()
-    manifest = out / "manifest.json"
     archs = archs or list(ARCHS)
-    if manifest.exists() and set(archs) <= set(json.loads(manifest.read_text())["archs"]):
-        return out
     quantizer = stock_bin("llama-quantize")
     done = {}
     t0 = time.monotonic()
@@ -286,7 +297,9 @@ def build(out_root: Path = DEFAULT_OUT, archs: list[str] | None = None) -> Path:
         info = build_arch(arch, d, quantizer)
         done[arch] = info["seconds"]
         print(f"[real-files] {arch}: {info['seconds']} s", flush=True)
-    manifest.write_text(json.dumps({"archs": archs, "seconds": done, "total_s": round(time.monotonic() - t0, 1)}))
+    versions = {m.__name__: m.__version__ for m in (torch, transformers, tokenizers)}
+    (out / "manifest.json").write_text(json.dumps({"archs": archs, "seconds": done, "versions": versions,
+                                                   "total_s": round(time.monotonic() - t0, 1)}, indent=1))
     return out
 
 
