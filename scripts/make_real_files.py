@@ -75,6 +75,14 @@ ARCHS: dict[str, tuple[str, dict]] = {
                                            kv_lora_rank=64, q_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
                                            v_head_dim=64, topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                            routed_scaling_factor=2.0, norm_topk_prob=False, num_key_value_heads=4)),
+    # DeepSeek-V2-Lite's shape: no q LoRA, which llama.cpp recognises only by the layer count
+    # (26 or 27), so 26 thin layers; greedy top-k over 4 experts, two shared experts
+    "deepseek2-lite": ("DeepseekV2Config", dict(num_hidden_layers=26, intermediate_size=512, moe_intermediate_size=N_FF_EXP,
+                                                n_routed_experts=4, n_shared_experts=2, first_k_dense_replace=1,
+                                                kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32,
+                                                qk_rope_head_dim=32, v_head_dim=64, topk_method="greedy",
+                                                norm_topk_prob=False, routed_scaling_factor=1.0,
+                                                num_key_value_heads=4)),
     # expert biases, attention sinks, sliding-window layers, clamped SwiGLU
     "gpt-oss": ("GptOssConfig", dict(intermediate_size=N_FF_EXP, num_local_experts=N_EXPERT, head_dim=64,
                                      sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
