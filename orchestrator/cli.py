@@ -203,7 +203,9 @@ def generate(
         if interrupted:
             m.stop_reason = "interrupted"
         if json_out:
-            out = {"text": session.last_text, "model": str(session.target.path),
+            # tokens: the generated ids, as llama-server's /completion returns them (`return_tokens`);
+            # random weights decode to text that hides what was generated
+            out = {"text": session.last_text, "tokens": session.last_tokens, "model": str(session.target.path),
                    "draft": (None if session.draft is None else "pool" if session.draft is session.target
                              else str(session.draft.path)),
                    "engine": session.engine is not None, **_run_info(session, setup, opts), **m.to_dict()}

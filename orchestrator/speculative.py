@@ -128,6 +128,7 @@ class Session:
         self.on_verify_step: Callable[[float], None] | None = None
         self.last_metrics: RunMetrics | None = None
         self.last_text = ""
+        self.last_tokens: list[int] = []  # ids of the last generation's tokens (an ending EOG token included)
         try:
             self._open(cfg)
         except BaseException:
@@ -268,8 +269,7 @@ class Session:
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingParams = SamplingParams()) -> Completion:
         text = "".join(self.generate(prompt, max_tokens, stop, sampling))
-        n_prompt = self.last_metrics.n_prompt_tokens
-        return Completion(text, list(self._tokens[n_prompt:]), self.last_metrics)
+        return Completion(text, list(self.last_tokens), self.last_metrics)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
                  sampling: SamplingParams = SamplingParams()) -> Iterator[str]:
@@ -290,28 +290,32 @@ class Session:
         reason = "interrupted"
         n_out = 0
         try:
-            rec.metrics.n_prompt_cached = self._prefill(prompt_tokens)
+            rec.metrics.n_prompt_cached, first = self._prefill(prompt_tokens, sampling, rng)
             rec.prefill_done()
             reason = "length"
+            pending = [first]  # the prompt pass's own next token
             while n_out < max_tokens:
                 room = self.n_ctx - len(self._tokens)
                 if room < 1:
                     reason = "context"
                     break
-                # γ from measured times only when greedy: sampling consumes the seeded random
-                # stream per drafted token, so the same seed must see the same γ to give the same text
-                adaptive = self.governor is not None and sampling.greedy
-                gamma = self.governor.next_gamma() if adaptive else self.gamma
-                gamma = min(gamma, max_tokens - n_out - 1, room - 1)
-                t_step = time.perf_counter()
-                if gamma > 0:
-                    n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                if pending is not None:
+                    new, pending = pending, None
                 else:
-                    n_drafted = n_accepted = 0
-                    new = [self._plain_step(sampling, rng)]
-                rec.step(n_drafted, n_accepted)
-                if self.on_verify_step is not None:
-                    self.on_verify_step(time.perf_counter() - t_step)
+                    # γ from measured times only when greedy: sampling consumes the seeded random
+                    # stream per drafted token, so the same seed must see the same γ to give the same text
+                    adaptive = self.governor is not None and sampling.greedy
+                    gamma = self.governor.next_gamma() if adaptive else self.gamma
+                    gamma = min(gamma, max_tokens - n_out - 1, room - 1)
+                    t_step = time.perf_counter()
+                    if gamma > 0:
+                        n_drafted, n_accepted, new = self._step(gamma, sampling, rng)
+                    else:
+                        n_drafted = n_accepted = 0
+                        new = [self._plain_step(sampling, rng)]
+                    rec.step(n_drafted, n_accepted)
+                    if self.on_verify_step is not None:
+                        self.on_verify_step(time.perf_counter() - t_step)
                 kept, chunk = 0, []
                 for t in new:
                     kept += 1
@@ -341,6 +345,7 @@ class Session:
             self._sync()
             self.last_metrics = rec.finish(reason, self.engine.stats() if self.engine else None)
             self.last_text = stream.text
+            self.last_tokens = self._tokens[len(prompt_tokens):]
 
     def _piece(self, token: int) -> bytes | None:
         """The token's bytes (None: an end-of-generation token), asked of llama.cpp once."""
@@ -467,24 +472,31 @@ class Session:
 
     # -- KV bookkeeping ---------------------------------------------------------------------
 
-    def _prefill(self, prompt: list[int]) -> int:
-        """Target KV := prompt[:-1], draft KV := prompt[:-1], reusing what is cached; returns how
-        many prompt tokens the target's cache already held (they are not computed again)."""
+    def _prefill(self, prompt: list[int], sampling: SamplingParams, rng) -> tuple[int, int]:
+        """Target KV := prompt, draft KV := prompt[:-1], reusing what is cached; the first new
+        token comes from the logits of the prompt's last position, computed in the same pass as
+        the rest of the prompt, as llama.cpp does it: decoding the last prompt token on its own
+        rounds differently in kernels whose order of summation depends on the batch (repacked and
+        tiled quantized matmuls, F16 GEMM), and real files then drift from llama.cpp's output.
+        Returns (how many prompt tokens the target's cache already held, the first new token)."""
         common = 0
         for a, b in zip(self._tokens, prompt):
             if a != b:
                 break
             common += 1
-        keep = min(common, len(prompt) - 1)
+        keep = min(common, len(prompt) - 1)  # the last prompt token is always computed: its logits
         self._tokens = list(prompt[:keep + 1])  # the KV caches hold tokens[:-1]
         self._sync()
         self._tokens = list(prompt)
         cached = self.ctx.n_past
         # the draft first: the target decodes next, and its weights should be the ones in the cache
-        for c in (self.draft_ctx, self.ctx):
-            if c is not None and c.n_past < len(prompt) - 1:
-                c.decode(prompt[c.n_past:-1], logits_all=False)
-        return cached
+        dctx = self.draft_ctx
+        if dctx is not None and dctx.n_past < len(prompt) - 1:
+            dctx.decode(prompt[dctx.n_past:-1], logits_all=False)
+        self.ctx.decode(prompt[self.ctx.n_past:], logits_all=False)
+        row = self.ctx.logits()[-1]
+        first = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)
+        return cached, first
 
     def _accept(self, new: list[int]) -> None:
         self._tokens.extend(new)

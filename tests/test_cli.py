@@ -55,6 +55,15 @@ def test_generate_json(models, engine_args):
         assert key in out
     assert 1 <= out["n_tokens"] <= 16 and out["mode"] == "speculative"
     assert isinstance(out["text"], str)
+    # the generated ids, as llama-server's /completion returns them: an ending EOG token included
+    from orchestrator.llm import Model
+
+    m = Model(target, repack="off")
+    try:
+        assert len(out["tokens"]) == out["n_tokens"] and all(isinstance(t, int) for t in out["tokens"])
+        assert m.detokenize([t for t in out["tokens"] if not m.is_eog(t)]) == out["text"]
+    finally:
+        m.close()
     assert out["engine"] == ("--engine" in engine_args)
     if out["engine"]:
         assert 0.0 <= out["device_share"] <= 1.0 and out["tau_histogram"]
