@@ -28,11 +28,13 @@ runs/real-files/<key>/table.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -52,6 +54,33 @@ PATHS = ["reference", "stock", "target", "pool10", "pool25", "pool50", "pool-dra
 ENGINE_PATHS = {"pool10": (0.10, None), "pool25": (0.25, None), "pool50": (0.50, None),
                 "pool-draft": (0.25, POOL_DRAFT), "q4_0-draft": (0.25, "q4_0")}
 GREEDY = SamplingParams(temperature=0.0)
+
+
+@contextlib.contextmanager
+def stock_repacking():
+    """--repack on as the stock build runs it. Stock llama.cpp is built with AMX compiled out (its
+    AMX matmul crashes unpatched, patch 0011), so where spac's build has AMX, llama.cpp's default
+    would put dense weights in AMX's layout; here every weight CPU_REPACK takes goes there instead,
+    which is what stock does."""
+    from orchestrator import host_layout
+
+    if "AMX" not in host_layout.cpu_buffer_types():
+        yield
+        return
+    real = host_layout.choose
+
+    def choose(path, n_threads, mode="auto", offloaded=False, cache=None):
+        if mode != "on":
+            return real(path, n_threads, mode, offloaded, cache)
+        repack = host_layout.cpu_buffer_types()[host_layout.REPACK_BUFT]
+        layout = host_layout.HostLayout("on", use_extra_bufts=False)
+        layout.repacked = [name for name, t, shape in host_layout.read_weights(path)[1]
+                           if len(shape) in (2, 3) and not name.startswith("token_embd")  # a GET_ROWS
+                           and host_layout.supports(t, *shape[:2], shape[2] if len(shape) == 3 else 0, repack)]
+        return layout
+
+    with mock.patch.object(host_layout, "choose", choose):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +251,8 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
         return b"".join(piece[t] for t in [*prompt_tokens, *tokens] if t not in eog)
 
     target = run_session(SessionConfig(**base, engine=False, repack="off"), prompts)
-    target_on = run_session(SessionConfig(**base, engine=False, repack="on"), prompts)
+    with stock_repacking():
+        target_on = run_session(SessionConfig(**base, engine=False, repack="on"), prompts)
 
     # reference: spac's output is the reference's, up to an end-of-generation token
     want = []
