@@ -4,12 +4,16 @@ One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
 
     drafting   γ draft tokens on the device; the copy engine runs meanwhile, serving the plan
                the policy made after the previous pass (one PCIe link, copies back to back)
-    verify     the dense blocks and output head, then per MoE layer in order:
+    verify     the dense blocks and output head, then per MoE layer in order (non-expert times
+               grow with the pass's tokens where the profile is measured):
                  dense part of the block
                  device half: every needed expert that is on the device, one call per
                    distinct expert (time by its token count)
                  host half: the other needed experts, per (token, expert) — in parallel with
                    the device half, plus one hidden-state round trip (sync) when non-empty
+                   (measured profiles: in every layer, as the engine's split graph crosses in
+                   every layer; and the device also multiplies the host experts' tokens by its
+                   all-zero slot, one expert's worth)
                  layer time = max(device half, host half + sync)
                With miss mode "fetch" the layer instead copies each missing expert on demand
                and computes it on the device when it arrives; "greedy" splits the missing
@@ -54,7 +58,12 @@ class SimConfig:
     context: int = 4096              # tokens of KV cache counted in the memory budget
 
     def costs(self) -> CostModel:
+        """hardware: a datasheet profile's key, or a measured profile's file (`spac sim profile measure`)."""
         draft = None if self.draft is None else profiles.model(self.draft)
+        if profiles.is_measured(self.hardware):
+            return CostModel.from_measured(profiles.read_measured(self.hardware), profiles.model(self.model), draft,
+                                           self.quant, self.draft_quant, self.context,
+                                           draft_file=draft.source if draft is not None else None)
         return CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
                                self.quant, self.draft_quant, self.context)
 
@@ -191,7 +200,7 @@ class Simulator:
         """What a warm-up calibration would measure before the first step: every expert on the host."""
         c, t = self.costs, self.trace
         tokens = (int(t.n_drafted.max()) if t.n_steps else 0) + 1
-        layer = c.dense_layer_s + tokens * t.top_k * float(c.cpu_expert_s(1))
+        layer = c.dense_layer_time(tokens) + tokens * t.top_k * float(c.cpu_expert_s(1))
         return Feedback(
             t_cpu_unit=float(c.cpu_expert_s(1)), t_gpu_unit=float(c.gpu_expert_s(tokens)),
             t_io_unit=c.transfer_s, t_draft_token=c.draft_token_s,
@@ -263,10 +272,11 @@ class Simulator:
         stats = dict(cpu_s=0.0, cpu_tokens=0, gpu_s=0.0, gpu_experts=0)
         at_start = pool.allocated.copy()
         evicted = np.zeros_like(pool.allocated)  # evicted by an in-pass copy
-        t = start + c.fixed_pass_s
+        n_tokens = routing.n_drafted + 1
+        t = start + c.fixed_pass_time(n_tokens)
         for layer in range(n_layer):
             t_layer = t
-            t += c.dense_layer_s
+            t += c.dense_layer_time(n_tokens)
             n = counts[layer]
             need = n > 0
             policy.on_layer(layer, n, weights[layer])  # the router has run: the layer's experts are in use
@@ -292,11 +302,14 @@ class Simulator:
                 else:
                     host_experts, end_device = fetcher.greedy(n, end_device)
             host = float(c.cpu_expert_s(n[host_experts]).sum())
+            n_host = int(n[host_experts].sum())
+            if c.zero_slot and n_host:  # the device multiplies the absent experts' tokens by the zero slot
+                end_device += float(c.gpu_expert_s(n_host))
             stats["cpu_s"] += host
-            stats["cpu_tokens"] += int(n[host_experts].sum())
-            acc["cpu"] += int(n[host_experts].sum())
-            acc["fetched"] += int(n[miss].sum() - n[host_experts].sum())
-            end_host = t + host + (c.sync_s if len(host_experts) else 0.0)
+            stats["cpu_tokens"] += n_host
+            acc["cpu"] += n_host
+            acc["fetched"] += int(n[miss].sum() - n_host)
+            end_host = t + host + (c.sync_s if len(host_experts) or c.sync_every_layer else 0.0)
             t = max(end_device, end_host)
             layer_time[layer] = t - t_layer
         return t, layer_time, stats
