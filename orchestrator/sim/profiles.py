@@ -189,6 +189,7 @@ class CostModel:
     sync_every_layer: bool = False   # the crossing is paid by every MoE layer, not only those with a host half
     zero_slot: bool = False          # the device computes absent experts' tokens with the all-zero slot
     transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
+    overlap: bool = True             # the device half runs while the host half does (False: a CPU test device)
 
     @classmethod
     def build(
@@ -248,15 +249,18 @@ class CostModel:
             else:
                 draft_s = draft_bytes * hw.draft_s_per_byte
             static += context * draft.kv_bytes_per_token
+        def per_s(x: float) -> float:  # a rate from seconds per unit (a zero fit: as good as free)
+            return 1.0 / max(x, 1e-30)
+
         return cls(
             expert_bytes=w_e, expert_flops=2.0 * target.expert_params,
-            gpu_bw=1.0 / device[0], gpu_flops=2.0 * target.expert_params / (w_e * device[1]),
-            cpu_bw=1.0 / host[0], cpu_flops=2.0 * target.expert_params / (w_e * host[1]),
+            gpu_bw=per_s(device[0]), gpu_flops=2.0 * target.expert_params * per_s(w_e * device[1]),
+            cpu_bw=per_s(host[0]), cpu_flops=2.0 * target.expert_params * per_s(w_e * host[1]),
             pcie_bw=hw.copy_bytes_per_s, transfer_latency_s=hw.copy_latency_s,
             dense_layer_s=share * per_pass, dense_layer_token_s=share * per_token,
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
             draft_token_s=draft_s, sync_s=hw.crossing_s, sync_every_layer=True, zero_slot=hw.zero_slot,
-            affine=True, vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
+            affine=True, overlap=hw.overlap, vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
         )
 
     @property
@@ -323,6 +327,7 @@ class MeasuredProfile:
     draft_s_per_token: float = 0.0
     draft_file: str = ""
     zero_slot: bool = True
+    overlap: bool = True   # False: the pool device shares the host's threads (the CPU test device)
     measured_with: str = ""
     measured_at: str = ""
     check: dict = field(default_factory=dict)
@@ -369,6 +374,7 @@ def read_measured(path: str | Path) -> MeasuredProfile:
             draft_s_per_byte=float(data["draft"]["s_per_byte"]),
             draft_s_per_token=float(data["draft"].get("s_per_token", 0.0)),
             draft_file=str(data["draft"].get("file", "")), zero_slot=bool(p.get("zero_slot", True)),
+            overlap=bool(p.get("overlap", True)),
             measured_with=str(p.get("measured_with", "")), measured_at=str(p.get("measured_at", "")),
             check=dict(data.get("check", {})))
     except KeyError as e:
@@ -393,6 +399,7 @@ def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -
         "[profile]", f"format = {text(MEASURED_FORMAT)}", f"version = {MEASURED_VERSION}", f"name = {text(prof.name)}",
         f"cpu = {text(prof.cpu)}", f"device = {text(prof.device)}", f"host_threads = {prof.host_threads}",
         f"vram_GB = {num(prof.vram_GB)}", f"zero_slot = {'true' if prof.zero_slot else 'false'}",
+        f"overlap = {'true' if prof.overlap else 'false'}",
         f"measured_with = {text(prof.measured_with)}", f"measured_at = {text(prof.measured_at)}", ""]
     for side, rates in (("host", prof.host), ("device", prof.device_rates)):
         for q, (a, b) in rates.items():

@@ -310,7 +310,7 @@ class Simulator:
             acc["cpu"] += n_host
             acc["fetched"] += int(n[miss].sum() - n_host)
             end_host = t + host + (c.sync_s if len(host_experts) or c.sync_every_layer else 0.0)
-            t = max(end_device, end_host)
+            t = max(end_device, end_host) if c.overlap else end_device + (end_host - t)
             layer_time[layer] = t - t_layer
         return t, layer_time, stats
 
