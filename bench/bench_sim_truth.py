@@ -1,0 +1,232 @@
+"""The simulator held against the engine: predicted and measured tok/s side by side, in one run.
+
+    python bench/bench_sim_truth.py [-m runs/mb/olmoe-bytes-f16.gguf] [-md DRAFT] [-n 64] [--prompts 3]
+                                    [--json rows.json] [--profile FILE]
+
+1. Profile: `spac sim profile measure` of this machine, on the target's own file: the host with
+   1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
+   the draft's tokens on the host (orchestrator/profile_measure.py). --profile FILE reuses one.
+2. Live: the target (default: the memory-bound target of scripts/make_memory_bound_target.py,
+   written to runs/mb/ if missing) with the shipped Q4_0 self-draft, every layer's non-expert
+   weights on the RPC device (-ngl 99) and the expert pool on it, greedy, the same prompts for
+   every row; rows = pool budget 25% and 50% × static placement (llama.cpp's --n-cpu-moe) and
+   spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive. Each
+   row records its routing trace (`orchestrator.record`'s writer on the session) and its decode
+   tok/s (prefill excluded), summed over the prompts.
+3. Predicted: each row's trace replayed by the simulator with the measured profile, the same
+   policy class and the engine's slot count; the trace carries the γ and acceptance of every
+   step, so only the cost model is under test.
+
+Printed: a table of predicted and measured tok/s with the error of each row, whether the ranking
+of the configurations agrees (every pair of rows that differ in one factor: budget, policy,
+speculation, ordered the same way by prediction and measurement), the machine load and the
+command. --json FILE writes the rows as a list of objects ("row", "predicted_tok_s",
+"measured_tok_s", "error", ...).
+
+The sessions run one after the other (each holds its pool on the RPC server: 8 at once would
+not fit); the machine's other load is reported, as in bench_live.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.models import MODELS_DIR  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
+           "for i in range(10):", "def read_file(path):\n    with open(path) as f:"]
+WARM_UP = "def main():\n    "
+DEFAULT_TARGET = ROOT / "runs" / "mb" / "olmoe-bytes-f16.gguf"
+DEFAULT_DRAFT = MODELS_DIR / "spac-tiny-moe-q4_0.gguf"
+BUDGETS = (0.25, 0.5)
+POLICIES = {"static": "static", "spac": "spac/host"}  # live name → the simulator's policy of the same class
+
+
+@dataclass
+class Row:
+    budget: float
+    policy: str        # "static" | "spac"
+    speculative: bool
+    tokens: int = 0
+    seconds: float = 0.0
+    n_slots: int = 0
+    trace: object = None
+    texts: list = field(default_factory=list)
+    predicted: float = float("nan")
+    sim: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.budget:.0%} {self.policy} {'+ speculative' if self.speculative else 'autoregressive'}"
+
+    @property
+    def measured(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+def machine_cpu_seconds() -> float:
+    with open("/proc/stat") as f:
+        fields_ = f.readline().split()[1:]
+    return sum(int(x) for i, x in enumerate(fields_) if i not in (3, 4)) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path) -> None:
+    """One configuration: open, warm up, generate every prompt greedily, record the trace."""
+    from orchestrator.policies.default import LookaheadUtility
+    from orchestrator.policies.static import StaticPlacement
+    from orchestrator.sampling import SamplingParams
+    from orchestrator.sim.trace import TraceWriter
+    from orchestrator.speculative import Session, SessionConfig
+
+    cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
+                        n_ctx=args.ctx_size, n_threads=1, n_gpu_layers=-1, engine=True, device=device,
+                        budget_ratio=row.budget, calibration_cache=cache)
+    policy = StaticPlacement() if row.policy == "static" else LookaheadUtility(miss="cpu")  # the session's default
+    with Session(cfg, policy=policy) as s:
+        s.complete(WARM_UP, max_tokens=16)
+        eng = s.engine
+        row.n_slots = int(eng.stats()["n_slots"])
+        writer = TraceWriter(Path(cache).with_suffix(f".{row.policy}-{row.budget}-{row.speculative}.npz"),
+                             n_layer=eng.n_moe_layers, n_expert=eng.n_expert, top_k=eng.n_expert_used,
+                             model=target.stem, meta={"gguf": str(target), "draft_gguf": str(draft) if row.speculative else None})
+        s.on_step = lambda step: writer.append(step, s.last_draft_routing)
+        for prompt in PROMPTS[:args.prompts]:
+            s.reset()
+            c = s.complete(prompt, max_tokens=args.n, sampling=SamplingParams(temperature=0.0))
+            row.tokens += c.metrics.n_tokens
+            row.seconds += c.metrics.decode_s
+            row.texts.append(c.text)
+        row.trace = writer.to_trace()
+
+
+def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
+    """Replay the row's trace with the measured profile, the same policy and slot count."""
+    from orchestrator.policies import make_policy
+    from orchestrator.sim import profiles
+    from orchestrator.sim.simulator import SimConfig, Simulator
+
+    tprof, quant = profiles.from_gguf(target)
+    dkey, dquant = None, "Q8_0"
+    if row.speculative:
+        dprof, dquant = profiles.from_gguf(draft, draft=True)
+        dkey = profiles.register(dprof)
+    config = SimConfig(hardware=str(profile), model=profiles.register(tprof), draft=dkey, quant=quant,
+                       draft_quant=dquant, capacity=row.n_slots)
+    r = Simulator(row.trace, config).run(make_policy(POLICIES[row.policy]))
+    row.predicted = r.tokens_per_s
+    row.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "ms_per_step": 1e3 * r.time_s / max(r.n_steps, 1)}
+
+
+def ranking_checks(rows: list[Row]) -> list[tuple[str, str, bool]]:
+    """Every pair of rows that differ in exactly one factor: (a, b, same order in both)."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            diff = (a.budget != b.budget) + (a.policy != b.policy) + (a.speculative != b.speculative)
+            if diff == 1:
+                out.append((a.name, b.name, (a.predicted > b.predicted) == (a.measured > b.measured)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("-m", "--model", type=Path, default=DEFAULT_TARGET)
+    ap.add_argument("-md", "--model-draft", type=Path, default=DEFAULT_DRAFT)
+    ap.add_argument("-n", type=int, default=64, help="tokens per prompt")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("-c", "--ctx-size", type=int, default=512)
+    ap.add_argument("--profile", type=Path, help="reuse this measured profile instead of measuring one")
+    ap.add_argument("--keep-profile", type=Path, help="also keep the measured profile here")
+    ap.add_argument("--json", type=Path, help="also write the rows here (a JSON list of objects)")
+    args = ap.parse_args()
+
+    target, draft = args.model, args.model_draft
+    if not target.exists():
+        print(f"writing the memory-bound target {target} (once)", file=sys.stderr)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_memory_bound_target.py"), str(target)], check=True)
+
+    from orchestrator.native import rpc_device
+    from orchestrator.profile_measure import cpu_name, measure, measure_to_file  # noqa: F401
+    from orchestrator.sim import profiles
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    load0 = os.getloadavg()
+    cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    rows = [Row(b, p, spec) for b in BUDGETS for p in POLICIES for spec in (True, False)]
+    with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:
+        tmp = Path(tmp)
+        profile = args.profile
+        if profile is None:
+            profile = args.keep_profile or tmp / "profile.toml"
+            t = time.monotonic()
+            prof = measure(target, device, 1, draft, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
+                                                                                 flush=True))
+            profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
+            print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        for row in rows:
+            t = time.monotonic()
+            run_live(row, target, draft, device, args, tmp / "calibration.json")
+            print(f"  live {row.name}: {row.measured:.2f} tok/s ({time.monotonic() - t:.0f} s)", file=sys.stderr,
+                  flush=True)
+        wall = time.monotonic() - t0
+        load1 = os.getloadavg()
+        other = (machine_cpu_seconds() - cpu0) - (own_cpu_seconds() - own0)
+        for row in rows:
+            predict(row, profile, target, draft)
+        prof = profiles.read_measured(profile)
+
+    n_cpu = os.cpu_count() or 1
+    print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; host 1 thread, "
+          f"RPC device 1 thread on 127.0.0.1; profile {prof.name} measured on {prof.measured_with}")
+    print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        err = r.predicted / r.measured - 1
+        print(f"| {r.name} | {r.n_slots} | {r.measured:.2f} | {r.predicted:.2f} | {100 * err:+.1f}% | "
+              f"{r.sim['steps']} | {r.sim['hit']:.2f} |")
+    errors = [abs(r.predicted / r.measured - 1) for r in rows]
+    checks = ranking_checks(rows)
+    by_meas = [r.name for r in sorted(rows, key=lambda r: -r.measured)]
+    by_pred = [r.name for r in sorted(rows, key=lambda r: -r.predicted)]
+    print(f"largest error {100 * max(errors):.1f}%, mean |error| {100 * sum(errors) / len(errors):.1f}%; "
+          f"{sum(c for *_, c in checks)}/{len(checks)} one-factor pairs ordered alike; full order "
+          f"{'identical' if by_meas == by_pred else 'differs'}")
+    for a, b, ok in checks:
+        if not ok:
+            print(f"  order differs: {a} vs {b}")
+    same_text = all(r.texts == rows[0].texts for r in rows)
+    print(f"outputs: {'every row identical' if same_text else 'ROWS DIFFER'}")
+    print(f"machine: {cpu_name()}, {n_cpu} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; "
+          f"other processes used {max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run")
+    print(f"command: {command}")
+    if args.json:
+        args.json.write_text(json.dumps([
+            {"row": r.name, "budget": r.budget, "policy": r.policy, "speculative": r.speculative, "slots": r.n_slots,
+             "predicted_tok_s": r.predicted, "measured_tok_s": r.measured, "error": r.predicted / r.measured - 1,
+             "tokens": r.tokens, "seconds": r.seconds, **{f"sim_{k}": v for k, v in r.sim.items()}}
+            for r in rows], indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
