@@ -136,6 +136,64 @@ def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
     row.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "ms_per_step": 1e3 * r.time_s / max(r.n_steps, 1)}
 
 
+def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
+    """bench_overlap.py's rows (synthetic OLMoE layers, Q4_0, non-expert weights on the host, a
+    verify pass of 9 tokens, τ giving the device about half the activations), timed, and
+    predicted from a profile measured on the same file in that layout."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_overlap as bo
+
+    from orchestrator.llm import Model
+    from orchestrator.profile_measure import measure
+    from orchestrator.sim import profiles
+    from orchestrator.synthetic_models import PRESETS
+
+    cfg = PRESETS["olmoe-1b-7b"]
+    path = bo.synthetic_layers(tmp, "olmoe-1b-7b", 4)
+    prof = measure(path, device, 1, layers_on_device=False, repack="off", skip_absent=True,
+                   progress=lambda s: print(f"  overlap profile: {s}", file=sys.stderr, flush=True))
+    model = Model(path, repack="off")
+    try:
+        freq = bo.routing_freq(model, 1, cfg.n_expert, cfg.n_expert_used)
+        utility = bo.utility_from_share(freq)
+        n_layer = freq.shape[0]
+        half = np.full(n_layer, bo.HALF)
+        slot_bytes = 3 * cfg.n_ff_exp * cfg.n_embd // 32 * 18
+
+        def make(name, tau, **kw):
+            return bo.Config(name, model, path, device, utility, tau, slot_bytes, 1, **kw)
+
+        configs = [make("all-host", None), make("serial (per-matmul graph)", half, split_graph="per-matmul"),
+                   make("overlapped", half), make("host half alone", half, only_half="host"),
+                   make("device half alone", half, only_half="device")]
+        try:
+            bo.rotate(configs, repeats)
+            measured = {c.name: c.median_ms() / 1e3 for c in configs}
+        finally:
+            for c in configs:
+                c.close()
+    finally:
+        model.close()
+    tprof, quant = profiles.from_gguf(path)
+    costs = profiles.CostModel.from_measured(prof, tprof, quant=quant)
+    n = len(bo.VERIFY)
+    resident = utility >= half[:, None]
+    used = freq > 0
+    ne = costs.fixed_pass_time(n) + n_layer * costs.dense_layer_time(n)
+    dev = np.array([costs.gpu_expert_s(freq[m][used[m] & resident[m]]).sum() for m in range(n_layer)])
+    host = np.array([costs.cpu_expert_s(freq[m][used[m] & ~resident[m]]).sum() for m in range(n_layer)])
+    every = np.array([costs.cpu_expert_s(freq[m][used[m]]).sum() for m in range(n_layer)])
+    c = costs.sync_s
+    # the per-matmul graph crosses for each of gate/up (one input, two outputs) and down (one
+    # each way): five one-way copies, 2.5 round trips, and its halves run one after the other
+    predicted = {"all-host": ne + every.sum(), "serial (per-matmul graph)": ne + (dev + host + 2.5 * c).sum(),
+                 "overlapped": ne + np.maximum(dev + c, host).sum(), "host half alone": ne + host.sum(),
+                 "device half alone": ne + (dev + c).sum()}
+    return [{"row": f"overlap bench: {k}", "predicted_s": predicted[k], "measured_s": measured[k]} for k in measured]
+
+
 def ranking_checks(rows: list[Row]) -> list[tuple[str, str, bool]]:
     """Every pair of rows that differ in exactly one factor: (a, b, same order in both)."""
     out = []
@@ -159,6 +217,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, help="reuse this measured profile instead of measuring one")
     ap.add_argument("--keep-profile", type=Path, help="also keep the measured profile here")
     ap.add_argument("--json", type=Path, help="also write the rows here (a JSON list of objects)")
+    ap.add_argument("--no-overlap", action="store_true", help="leave out the overlap bench's rows")
+    ap.add_argument("--no-live", action="store_true", help="leave out the live rows (the overlap rows only)")
+    ap.add_argument("--overlap-repeats", type=int, default=7)
     args = ap.parse_args()
 
     target, draft = args.model, args.model_draft
@@ -173,11 +234,14 @@ def main() -> None:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     load0 = os.getloadavg()
     cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
-    rows = [Row(b, p, spec) for b in BUDGETS for p in POLICIES for spec in (True, False)]
+    rows = [] if args.no_live else [Row(b, p, spec) for b in BUDGETS for p in POLICIES for spec in (True, False)]
+    overlap = []
     with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:
         tmp = Path(tmp)
         profile = args.profile
-        if profile is None:
+        if not args.no_overlap:
+            overlap = overlap_rows(device, tmp, args.overlap_repeats)
+        if profile is None and rows:
             profile = args.keep_profile or tmp / "profile.toml"
             t = time.monotonic()
             prof = measure(target, device, 1, draft, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
@@ -194,9 +258,21 @@ def main() -> None:
         other = (machine_cpu_seconds() - cpu0) - (own_cpu_seconds() - own0)
         for row in rows:
             predict(row, profile, target, draft)
-        prof = profiles.read_measured(profile)
+        prof = profiles.read_measured(profile) if rows else None
 
     n_cpu = os.cpu_count() or 1
+    if overlap:
+        print("overlap bench (bench/bench_overlap.py's setting: 4 synthetic OLMoE-1B-7B layers, Q4_0, one verify "
+              "pass of 9 tokens, τ = 5; profile measured on that file with its layers on the host)")
+        print("| row | measured ms | predicted ms | error |")
+        print("|---|---|---|---|")
+        for o in overlap:
+            print(f"| {o['row'].split(': ')[1]} | {1e3 * o['measured_s']:.1f} | {1e3 * o['predicted_s']:.1f} | "
+                  f"{100 * (o['predicted_s'] / o['measured_s'] - 1):+.1f}% |")
+    if not rows:
+        print(f"machine: {cpu_name()}, {n_cpu} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end")
+        print(f"command: {command}")
+        return
     print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; host 1 thread, "
           f"RPC device 1 thread on 127.0.0.1; profile {prof.name} measured on {prof.measured_with}")
     print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit |")
@@ -225,7 +301,8 @@ def main() -> None:
             {"row": r.name, "budget": r.budget, "policy": r.policy, "speculative": r.speculative, "slots": r.n_slots,
              "predicted_tok_s": r.predicted, "measured_tok_s": r.measured, "error": r.predicted / r.measured - 1,
              "tokens": r.tokens, "seconds": r.seconds, **{f"sim_{k}": v for k, v in r.sim.items()}}
-            for r in rows], indent=1) + "\n")
+            for r in rows] + [{**o, "predicted_tok_s": None, "measured_tok_s": None,
+                               "error": o["predicted_s"] / o["measured_s"] - 1} for o in overlap], indent=1) + "\n")
 
 
 if __name__ == "__main__":

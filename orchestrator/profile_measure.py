@@ -12,8 +12,11 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
       device half alone   (only_half = device, absent experts skipped): base_d(n) + Σ resident experts
       host half alone     (only_half = host):                            base_h(n) + Σ host experts
       both halves         (the live engine): the check, predicted from the rest vs timed
-    expert cost model     t(m tokens) = W_e · (s_per_byte + m · s_per_byte_token), fitted by least
-                          squares over the passes of each half (one intercept per n)
+    expert cost model     t(m tokens) = W_e · s_per_byte(m): a table at m = the pass sizes, linear
+                          between, fitted by least squares over the passes of each half (one
+                          intercept per n); a table rather than a line because one token streams
+                          the weights and more reuse them (a line through 1..9 tokens put the
+                          one-token time 30% low on this machine's F16 experts)
     crossing              base_h(n) − base_d(n) is the host half's output going back to the
                           device; the hidden state going to the host costs the same again (it
                           happens in both engines, so it cannot be told apart from the pass: the
@@ -22,6 +25,8 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
     copy                  the copy engine's busy time per byte while it filled the pool
     draft                 single-token decodes of the draft on the host (its routing exported,
                           as the live loop does), per token and per byte it reads
+    every context holds 256 cells, the attention window of any run with fewer than 256 tokens
+    in its cache (longer sequences attend over more; the profile does not model that growth)
 
 Each rate is per byte of the weights read, so a profile measured on one model predicts another
 of the same weight type. The passes are medians of `repeats` runs; the whole measurement takes
@@ -52,6 +57,11 @@ from orchestrator.sim.profiles import MeasuredProfile
 TOKENS = (1, 2, 4, 9)  # verify batch sizes: γ + 1 for γ = 0, 1, 3, 8
 PREFIX = 16
 LEVELS = (0.0, 0.5, 1.0)  # share of the used experts resident
+# llama.cpp attends over max(256, used cells rounded up to 256) KV cells, capped at the context:
+# any context of 256 or more with fewer than 256 tokens in it attends over 256 cells, and so do
+# the passes timed here (a context just big enough for them would attend over a few dozen and
+# time the attention several times too cheap)
+N_CTX = 256
 
 
 def synthetic_model(tmp: Path, preset: str = "qwen3-30b-a3b", n_layer: int = 4, n_expert: int = 16) -> Path:
@@ -81,7 +91,7 @@ class _Bench:
         from orchestrator.llm import Context
         from orchestrator.native import ExpertEngine, Routing
 
-        self.ctx = Context(model, n_ctx=PREFIX + len(batch) + 8, n_batch=max(len(batch), 16), n_threads=n_threads)
+        self.ctx = Context(model, n_ctx=N_CTX, n_batch=max(len(batch), 16), n_threads=n_threads)
         self.engine = ExpertEngine(self.ctx.ptr, path, device=device, budget_bytes=budget_bytes, **engine_args)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self.batch = batch
@@ -118,7 +128,7 @@ def _used(model, batch: np.ndarray, prefix: np.ndarray, n_threads: int, n_expert
     from orchestrator.llm import Context
     from orchestrator.native import Routing
 
-    ctx = Context(model, n_ctx=PREFIX + len(batch) + 8, n_batch=max(len(batch), 16), n_threads=n_threads)
+    ctx = Context(model, n_ctx=N_CTX, n_batch=max(len(batch), 16), n_threads=n_threads)
     try:
         n_used = int(model.meta(f"{model.arch}.expert_used_count") or 1)
         routing = Routing(ctx.ptr, n_used)
@@ -137,24 +147,46 @@ def _counts(ids: np.ndarray, n_expert: int) -> np.ndarray:
     return counts
 
 
-def _fit(rows: list[tuple[int, float, float, float]], tokens) -> tuple[float, float, dict]:
-    """Least squares of time = base(n) + a · bytes + b · byte-tokens over (n, bytes, byte-tokens,
-    time) rows: (a, b, {n: base(n)})."""
+def _knot_weights(m: np.ndarray, knots) -> np.ndarray:
+    """Σ over experts with m tokens of their piecewise-linear weights on the knots: t(m) = this · t(knots)
+    (beyond the last knot, along the last segment)."""
+    xs = np.asarray(knots, dtype=np.float64)
+    out = np.zeros(len(xs))
+    for v in np.asarray(m, dtype=np.float64):
+        if len(xs) == 1:
+            out[0] += v / xs[0]
+            continue
+        i = min(max(int(np.searchsorted(xs, v)) - 1, 0), len(xs) - 2)
+        f = (v - xs[i]) / (xs[i + 1] - xs[i])
+        out[i] += 1.0 - f
+        out[i + 1] += f
+    return out
+
+
+def _fit(rows: list[tuple[int, np.ndarray, float]], tokens) -> tuple[np.ndarray, dict]:
+    """Least squares of time = base(n) + Σ_experts t(m) over (n, token counts of the side's
+    experts, time) rows: (t at each of `tokens`, {n: base(n)})."""
     index = {n: i for i, n in enumerate(tokens)}
-    x = np.zeros((len(rows), len(tokens) + 2))
+    k = len(tokens)
+    x = np.zeros((len(rows), 2 * k))
     y = np.zeros(len(rows))
-    for r, (n, w, wm, t) in enumerate(rows):
+    for r, (n, m, t) in enumerate(rows):
         x[r, index[n]] = 1.0
-        x[r, -2:] = w, wm
+        x[r, k:] = _knot_weights(m, tokens)
         y[r] = t
     sol, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return float(sol[-2]), float(sol[-1]), {n: float(sol[index[n]]) for n in tokens}
+    return np.maximum(sol[k:], 1e-9), {n: float(sol[index[n]]) for n in tokens}
 
 
 def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path: Path | None = None,
             tokens=TOKENS, repeats: int = 3, name: str = "", progress: Callable[[str], None] = lambda s: None,
-            seed: int = 0) -> MeasuredProfile:
-    """Time the passes described in the module docstring and return the profile."""
+            seed: int = 0, layers_on_device: bool | None = None, repack: str | None = None,
+            skip_absent: bool = False) -> MeasuredProfile:
+    """Time the passes described in the module docstring and return the profile.
+
+    layers_on_device: the non-expert weights on the pool device (-ngl 99; default with a device
+    other than the CPU) or on the host. repack: the host weights' layout (default: spac's).
+    skip_absent: the live engine's setting on the device (the check pass and the zero slot)."""
     from orchestrator.llm import Model
     from orchestrator.placement import devices
 
@@ -162,8 +194,11 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
     target, quant = profiles.from_gguf(model_path)
     w_e = target.expert_bytes(quant)
     on_cpu_pool = device in (None, "CPU")
+    if layers_on_device is None:
+        layers_on_device = not on_cpu_pool
     progress(f"loading {Path(model_path).name}")
-    model = Model(model_path, n_gpu_layers=0 if on_cpu_pool else -1, n_threads=n_threads)
+    layout = {} if repack is None else {"repack": repack}
+    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, **layout)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, model.n_vocab, PREFIX)
     batch = rng.integers(0, model.n_vocab, max(tokens))
@@ -180,7 +215,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
             # skip_absent: the device half computes only its resident experts (a clean fit); the
             # check runs the live engine's setting
             bench = _Bench(model, model_path, device, n_threads, batch, prefix, budget, only_half=half,
-                           skip_absent=half is not None and not on_cpu_pool)
+                           skip_absent=(half is not None or skip_absent) and not on_cpu_pool)
             try:
                 order = rng.permutation(len(pairs))
                 levels = LEVELS if half else (0.5,)
@@ -206,16 +241,23 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
                             check.setdefault("passes", []).append((n, t, counts, resident))
                         else:
                             side = counts * mine
-                            timed[half].append((n, float((side > 0).sum()) * w_e, float(side.sum()) * w_e, t))
+                            timed[half].append((n, side[side > 0], t))
             finally:
                 bench.close()
 
         progress("fitting")
-        dev_a, dev_b, base_d = _fit(timed["device"], tokens)
-        host_a, host_b, base_h = _fit(timed["host"], tokens)
-        one_way = float(np.median([max(base_h[n] - base_d[n], 0.0) / n_layer for n in tokens]))
+        dev_t, base_d = _fit(timed["device"], tokens)
+        host_t, base_h = _fit(timed["host"], tokens)
         ne_bytes = target.non_expert_bytes(quant)
-        ne = np.array([base_d[n] - n_layer * one_way for n in tokens])
+        if layers_on_device:
+            # the host half alone pays both ways, the device half alone one (the hidden state goes to
+            # the host in both engines); the other way is taken to cost the same
+            one_way = float(np.median([max(base_h[n] - base_d[n], 0.0) / n_layer for n in tokens]))
+            crossing = 2.0 * one_way
+            ne = np.array([base_d[n] - n_layer * one_way for n in tokens])
+        else:  # layers on the host: the device half alone pays the round trip, the host half none
+            crossing = float(np.median([max(base_d[n] - base_h[n], 0.0) / n_layer for n in tokens]))
+            ne = np.array([base_h[n] for n in tokens])
         ne_b, ne_a = np.polyfit(np.array(tokens, dtype=float), ne, 1)
 
         draft_file, draft_s, draft_per_byte = "", 0.0, 0.0
@@ -230,15 +272,18 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         prof = MeasuredProfile(
             key="measured", name=name or f"{cpu_name()} + {dev_name}, {n_threads} host thread(s)",
             cpu=cpu_name(), device=dev_name, host_threads=n_threads, vram_GB=free / 1e9,
-            host={quant: (max(host_a, 0.0), max(host_b, 0.0))},
-            device_rates={quant: (max(dev_a, 0.0), max(dev_b, 0.0))},
+            host={quant: (tokens, tuple(float(v) / w_e for v in host_t))},
+            device_rates={quant: (tokens, tuple(float(v) / w_e for v in dev_t))},
             copy_bytes_per_s=check.get("copy_bytes_per_s", 0.0) or 1e9, copy_latency_s=0.0,
-            crossing_s=2.0 * one_way, non_expert_s_per_byte=max(float(ne_a), 0.0) / ne_bytes,
+            crossing_s=crossing, non_expert_s_per_byte=max(float(ne_a), 0.0) / ne_bytes,
             non_expert_s_per_byte_token=max(float(ne_b), 0.0) / ne_bytes,
-            draft_s_per_byte=draft_per_byte or host_a, draft_s_per_token=draft_s, draft_file=draft_file,
-            zero_slot=not on_cpu_pool, overlap=not on_cpu_pool, measured_with=Path(model_path).name,
+            draft_s_per_byte=draft_per_byte or float(host_t[0]) / w_e, draft_s_per_token=draft_s, draft_file=draft_file,
+            zero_slot=not (on_cpu_pool or skip_absent), overlap=not on_cpu_pool,
+            non_expert_on="device" if layers_on_device else "host", measured_with=Path(model_path).name,
             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-        return replace(prof, check=_check(prof, target, quant, check.get("passes", [])))
+        extra = {f"tokens_{n}_base_{side}_half_s": base[n] for side, base in (("device", base_d), ("host", base_h))
+                 for n in tokens}
+        return replace(prof, check={**_check(prof, target, quant, check.get("passes", [])), **extra})
     finally:
         model.close()
 
@@ -256,7 +301,12 @@ def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
             host = float(costs.cpu_expert_s(host_tokens).sum())
             if costs.zero_slot and host_tokens.sum():
                 dev += float(costs.gpu_expert_s(host_tokens.sum()))
-            both = max(dev, host + costs.sync_s) if costs.overlap else dev + host + costs.sync_s
+            if not costs.overlap:
+                both = dev + host + costs.sync_s
+            elif costs.sync_on_device:
+                both = max(dev + costs.sync_s, host)
+            else:
+                both = max(dev, host + costs.sync_s)
             total += costs.dense_layer_time(n) + both
         out[f"tokens_{n}_predicted_s"] = total
         out[f"tokens_{n}_measured_s"] = t
@@ -269,7 +319,7 @@ def measure_draft(path: Path, n_threads: int, rng: np.random.Generator, n: int =
     from orchestrator.native import Routing
 
     draft = Model(path, n_threads=n_threads)
-    ctx = Context(draft, n_ctx=PREFIX + n + 8, n_batch=16, n_threads=n_threads)
+    ctx = Context(draft, n_ctx=N_CTX, n_batch=16, n_threads=n_threads)
     try:
         if draft.n_expert:
             Routing(ctx.ptr, int(draft.meta(f"{draft.arch}.expert_used_count") or 1))
@@ -342,7 +392,7 @@ def measure_cmd(
         raise typer.Exit(code=2) from None
     print(f"wrote {out} in {time.monotonic() - t0:.0f} s: {prof.name}")
     for k, v in prof.check.items():
-        if k.endswith("_predicted_s"):
+        if k.endswith("_predicted_s") and f"tokens_{k.split('_')[1]}_measured_s" in prof.check:
             n = k.split("_")[1]
             m = prof.check[f"tokens_{n}_measured_s"]
             print(f"  check, split pass of {n} token(s), half the experts on the device: predicted "

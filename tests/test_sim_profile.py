@@ -20,7 +20,7 @@ runner = CliRunner()
 # a made-up machine in the measured format (seconds per byte): host 10 GB/s, device 40 GB/s
 MACHINE = MeasuredProfile(
     key="test", name="test machine", cpu="test cpu", device="RPC0", host_threads=1, vram_GB=8.0,
-    host={"Q4_K": (1e-10, 2e-11)}, device_rates={"Q4_K": (2.5e-11, 5e-12)},
+    host={"Q4_K": ((1, 2, 4), (1e-10, 1.1e-10, 1.5e-10))}, device_rates={"Q4_K": ((1, 4), (2.5e-11, 3e-11))},
     copy_bytes_per_s=5e9, copy_latency_s=20e-6, crossing_s=50e-6,
     non_expert_s_per_byte=2.5e-11, non_expert_s_per_byte_token=1e-12, draft_s_per_byte=1e-10)
 
@@ -38,8 +38,9 @@ def test_round_trip_and_cost_model(tmp_path):
     assert replace(back, key="test") == MACHINE
     costs = CostModel.from_measured(back, profiles.model("olmoe-1b-7b"), quant="Q4_K")
     w = profiles.model("olmoe-1b-7b").expert_bytes("Q4_K")
-    assert costs.cpu_expert_s(3) == pytest.approx(w * (1e-10 + 3 * 2e-11))
-    assert costs.gpu_expert_s(1) == pytest.approx(w * (2.5e-11 + 5e-12))
+    # a table, linear between its points and along the last segment beyond
+    assert costs.cpu_expert_s(3) == pytest.approx(w * 1.3e-10) and costs.cpu_expert_s(6) == pytest.approx(w * 1.9e-10)
+    assert costs.gpu_expert_s(1) == pytest.approx(w * 2.5e-11) and costs.gpu_expert_s(0) == 0
     assert costs.transfer_s == pytest.approx(20e-6 + w / 5e9)
     assert costs.dense_layer_time(9) > costs.dense_layer_time(1) and costs.sync_every_layer and costs.zero_slot
     # an unmeasured type takes the rate of the measured type nearest in bits per weight
@@ -49,7 +50,7 @@ def test_round_trip_and_cost_model(tmp_path):
 @pytest.mark.parametrize("policy", ["static", "spac"])
 def test_faster_device_predicts_faster_run(tmp_path, policy):
     base = tokens_per_s(MACHINE, tmp_path, policy)
-    fast = replace(MACHINE, device_rates={"Q4_K": (1e-11, 2e-12)}, non_expert_s_per_byte=1e-11)
+    fast = replace(MACHINE, device_rates={"Q4_K": ((1, 4), (1e-11, 1.2e-11))}, non_expert_s_per_byte=1e-11)
     slow_link = replace(MACHINE, crossing_s=5e-3)
     assert tokens_per_s(fast, tmp_path, policy) > base > tokens_per_s(slow_link, tmp_path, policy)
 
@@ -62,6 +63,9 @@ def test_bad_files(tmp_path):
     text = write_measured(tmp_path / "m.toml", MACHINE).read_text()
     bad.write_text(text.replace("[crossing]", "[crossings]"))
     with pytest.raises(ValueError, match="crossing"):
+        read_measured(bad)
+    bad.write_text(text.replace("tokens = [1, 2, 4]", "tokens = [2, 1, 4]"))
+    with pytest.raises(ValueError, match="increasing"):
         read_measured(bad)
 
 

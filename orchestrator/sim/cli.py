@@ -207,11 +207,11 @@ def profile_show_cmd(path: Path = typer.Argument(..., help="a measured profile (
     except ValueError as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(code=1) from None
-    rows = [{"what": f"{side} expert {q}", "µs per MB": 1e12 * a, "µs per MB per token": 1e12 * b}
-            for side, rates in (("host", p.host), ("device", p.device_rates)) for q, (a, b) in rates.items()]
-    rows.append({"what": "non-expert part of a pass", "µs per MB": 1e12 * p.non_expert_s_per_byte,
-                 "µs per MB per token": 1e12 * p.non_expert_s_per_byte_token})
+    rows = [{"what": f"{side} expert {q}, µs per MB", **{f"{m} token(s)": 1e12 * x for m, x in zip(n, xs)}}
+            for side, rates in (("host", p.host), ("device", p.device_rates)) for q, (n, xs) in rates.items()]
     console.print(_table(f"{p.name} ({p.device}, measured {p.measured_at} on {p.measured_with})", rows))
+    console.print(f"non-expert part of a pass: {1e12 * p.non_expert_s_per_byte:.1f} µs per MB + "
+                  f"{1e12 * p.non_expert_s_per_byte_token:.1f} per token ({p.non_expert_on})")
     console.print(f"copy {p.copy_bytes_per_s / 1e9:.2f} GB/s + {1e6 * p.copy_latency_s:.0f} µs; crossing "
                   f"{1e3 * p.crossing_s:.2f} ms per split layer; draft {1e3 * p.draft_s_per_token:.2f} ms per token "
                   f"({p.draft_file or '-'}); device memory {p.vram_GB:.1f} GB")

@@ -16,7 +16,8 @@ A measured profile (`spac sim profile measure`, `MeasuredProfile`, a TOML file o
 format) gives the same unit times from timed passes of the patched engine instead of datasheet
 rates, each per byte of the weights it reads so that it carries over to another model shape:
 
-    expert, n tokens (host, device)   W_e · (s_per_byte + n · s_per_byte_token)   affine, not a max
+    expert, n tokens (host, device)   W_e · s_per_byte(n), a table over n = 1, 2, 4 .. γ+1,
+                                      linear between and beyond its points
     copy one expert                   latency + W_e / bytes_per_s
     non-expert part of a pass         W_ne · (s_per_byte + n · s_per_byte_token)  on the device
     crossing                          per split layer, every pass: the engine's graph splits
@@ -183,13 +184,15 @@ class CostModel:
     vram_bytes: float = float("inf")
     static_bytes: float = 0.0  # device memory that is not the expert pool (weights, draft, KV)
     # measured profiles (defaults: the datasheet roofline above)
-    affine: bool = False             # expert time = stream + n · per-token (measured) rather than the max
+    gpu_table: tuple | None = None   # ((tokens...), (seconds of one expert...)): replaces the roofline
+    cpu_table: tuple | None = None
     dense_layer_token_s: float = 0.0  # dense_layer_s grows by this per token of the pass
     fixed_pass_token_s: float = 0.0   # fixed_pass_s grows by this per token of the pass
     sync_every_layer: bool = False   # the crossing is paid by every MoE layer, not only those with a host half
     zero_slot: bool = False          # the device computes absent experts' tokens with the all-zero slot
     transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
     overlap: bool = True             # the device half runs while the host half does (False: a CPU test device)
+    sync_on_device: bool = False     # the crossing delays the device half (layers on the host), not the host half
 
     @classmethod
     def build(
@@ -234,6 +237,12 @@ class CostModel:
         """Unit times of `target` (and `draft`) on a measured machine (module docstring)."""
         w_e = target.expert_bytes(quant)
         host, device = hw.expert_rate("host", quant), hw.expert_rate("device", quant)
+        # the roofline fields, kept consistent for readers of them: stream = the one-token time,
+        # per-token flops from the table's last step
+        def roof(table):
+            n, s = table
+            slope = (s[-1] - s[-2]) / (n[-1] - n[-2]) if len(n) > 1 else s[0]
+            return 1.0 / max(s[0], 1e-30), 2.0 * target.expert_params / max(w_e * slope, 1e-30)
         ne = target.non_expert_bytes(quant)
         head = target.head_params * BITS_PER_WEIGHT[quant] / 8
         share = (ne - head) / target.n_layer / ne if target.n_layer and ne else 0.0  # one MoE block's part
@@ -249,18 +258,18 @@ class CostModel:
             else:
                 draft_s = draft_bytes * hw.draft_s_per_byte
             static += context * draft.kv_bytes_per_token
-        def per_s(x: float) -> float:  # a rate from seconds per unit (a zero fit: as good as free)
-            return 1.0 / max(x, 1e-30)
-
+        (gpu_bw, gpu_flops), (cpu_bw, cpu_flops) = roof(device), roof(host)
         return cls(
             expert_bytes=w_e, expert_flops=2.0 * target.expert_params,
-            gpu_bw=per_s(device[0]), gpu_flops=2.0 * target.expert_params * per_s(w_e * device[1]),
-            cpu_bw=per_s(host[0]), cpu_flops=2.0 * target.expert_params * per_s(w_e * host[1]),
+            gpu_bw=gpu_bw, gpu_flops=gpu_flops, cpu_bw=cpu_bw, cpu_flops=cpu_flops,
+            gpu_table=(tuple(device[0]), tuple(w_e * x for x in device[1])),
+            cpu_table=(tuple(host[0]), tuple(w_e * x for x in host[1])),
             pcie_bw=hw.copy_bytes_per_s, transfer_latency_s=hw.copy_latency_s,
             dense_layer_s=share * per_pass, dense_layer_token_s=share * per_token,
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
             draft_token_s=draft_s, sync_s=hw.crossing_s, sync_every_layer=True, zero_slot=hw.zero_slot,
-            affine=True, overlap=hw.overlap, vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
+            overlap=hw.overlap, sync_on_device=hw.non_expert_on == "host",
+            vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
         )
 
     @property
@@ -277,17 +286,33 @@ class CostModel:
 
     def gpu_expert_s(self, n_tokens):
         """Device time of experts with n_tokens tokens each (array or scalar)."""
-        return self._expert(self.expert_bytes / self.gpu_bw, self.expert_flops / self.gpu_flops, n_tokens)
+        return self._expert(self.expert_bytes / self.gpu_bw, self.expert_flops / self.gpu_flops, n_tokens, self.gpu_table)
 
     def cpu_expert_s(self, n_tokens):
         """Host time of experts with n_tokens tokens each (array or scalar)."""
-        return self._expert(self.expert_bytes / self.cpu_bw, self.expert_flops / self.cpu_flops, n_tokens)
+        return self._expert(self.expert_bytes / self.cpu_bw, self.expert_flops / self.cpu_flops, n_tokens, self.cpu_table)
 
-    def _expert(self, stream_s: float, token_s: float, n_tokens):
+    @staticmethod
+    def _expert(stream_s: float, token_s: float, n_tokens, table):
         import numpy as np
 
         n = np.asarray(n_tokens, dtype=np.float64)
-        return stream_s + n * token_s if self.affine else np.maximum(stream_s, n * token_s)
+        if table is None:
+            return np.maximum(stream_s, n * token_s)
+        return table_time(table, n)
+
+
+def table_time(table, n):
+    """Piecewise-linear time at n tokens through the (tokens, seconds) points, extended beyond the
+    last point along its last segment (0 tokens: nothing to do)."""
+    import numpy as np
+
+    xs, ys = (np.asarray(v, dtype=np.float64) for v in table)
+    t = np.interp(n, xs, ys)
+    if len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        t = np.where(n > xs[-1], ys[-1] + (n - xs[-1]) * slope, t)
+    return np.where(n > 0, t, 0.0)
 
 
 def _draft_token_bytes(draft: ModelProfile, quant: str) -> float:
@@ -306,9 +331,10 @@ MEASURED_VERSION = 1
 class MeasuredProfile:
     """A machine measured by `spac sim profile measure` (file format: `write_measured`).
 
-    Rates are seconds per byte of the weights read, for one pass of n tokens:
-    t = bytes · (s_per_byte + n · s_per_byte_token). `host`/`device`: {type: (s_per_byte,
-    s_per_byte_token)} of expert matmuls (MUL_MAT_ID, the kernels and layouts spac runs)."""
+    Rates are seconds per byte of the weights read. `host`/`device`: {type: ((tokens...),
+    (s_per_byte...))}: one expert's matmuls (MUL_MAT_ID, the kernels and layouts spac runs) with
+    that many tokens, per byte of the expert. Non-expert part of a pass of n tokens:
+    bytes · (s_per_byte + n · s_per_byte_token)."""
 
     key: str
     name: str
@@ -328,12 +354,13 @@ class MeasuredProfile:
     draft_file: str = ""
     zero_slot: bool = True
     overlap: bool = True   # False: the pool device shares the host's threads (the CPU test device)
+    non_expert_on: str = "device"  # where the measured passes ran the layers' non-expert weights
     measured_with: str = ""
     measured_at: str = ""
     check: dict = field(default_factory=dict)
 
-    def expert_rate(self, side: str, quant: str) -> tuple[float, float]:
-        """(s_per_byte, s_per_byte_token) of `quant` experts on "host" or "device"; a type that was
+    def expert_rate(self, side: str, quant: str) -> tuple[tuple, tuple]:
+        """((tokens...), (s_per_byte...)) of `quant` experts on "host" or "device"; a type that was
         not measured takes the rate of the measured type with the closest bits per weight."""
         rates = self.host if side == "host" else self.device_rates
         if quant in rates:
@@ -358,9 +385,13 @@ def read_measured(path: str | Path) -> MeasuredProfile:
         raise ValueError(f"{path}: version {p.get('version')}, this reader knows {MEASURED_VERSION}")
     try:
         def rates(side):
-            out = {q: (float(v["s_per_byte"]), float(v["s_per_byte_token"])) for q, v in data[side].items()}
+            out = {q: (tuple(int(n) for n in v["tokens"]), tuple(float(x) for x in v["s_per_byte"]))
+                   for q, v in data[side].items()}
             if not out:
                 raise ValueError(f"[{side}] has no weight type")
+            for q, (n, x) in out.items():
+                if not n or len(n) != len(x) or list(n) != sorted(set(n)) or n[0] < 1:
+                    raise ValueError(f"[{side}.{q}]: tokens must be increasing from 1 or more, one s_per_byte each")
             return out
 
         prof = MeasuredProfile(
@@ -374,7 +405,7 @@ def read_measured(path: str | Path) -> MeasuredProfile:
             draft_s_per_byte=float(data["draft"]["s_per_byte"]),
             draft_s_per_token=float(data["draft"].get("s_per_token", 0.0)),
             draft_file=str(data["draft"].get("file", "")), zero_slot=bool(p.get("zero_slot", True)),
-            overlap=bool(p.get("overlap", True)),
+            overlap=bool(p.get("overlap", True)), non_expert_on=str(p.get("non_expert_on", "device")),
             measured_with=str(p.get("measured_with", "")), measured_at=str(p.get("measured_at", "")),
             check=dict(data.get("check", {})))
     except KeyError as e:
@@ -399,17 +430,18 @@ def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -
         "[profile]", f"format = {text(MEASURED_FORMAT)}", f"version = {MEASURED_VERSION}", f"name = {text(prof.name)}",
         f"cpu = {text(prof.cpu)}", f"device = {text(prof.device)}", f"host_threads = {prof.host_threads}",
         f"vram_GB = {num(prof.vram_GB)}", f"zero_slot = {'true' if prof.zero_slot else 'false'}",
-        f"overlap = {'true' if prof.overlap else 'false'}",
+        f"overlap = {'true' if prof.overlap else 'false'}", f"non_expert_on = {text(prof.non_expert_on)}",
         f"measured_with = {text(prof.measured_with)}", f"measured_at = {text(prof.measured_at)}", ""]
     for side, rates in (("host", prof.host), ("device", prof.device_rates)):
-        for q, (a, b) in rates.items():
-            lines += [f"[{side}.{q}]   # expert matmul: bytes × (s_per_byte + tokens × s_per_byte_token)",
-                      f"s_per_byte = {num(a)}", f"s_per_byte_token = {num(b)}", ""]
+        for q, (n, x) in rates.items():
+            lines += [f"[{side}.{q}]   # one expert's matmuls with this many tokens: bytes × s_per_byte (linear between)",
+                      f"tokens = [{', '.join(str(int(v)) for v in n)}]",
+                      f"s_per_byte = [{', '.join(num(v) for v in x)}]", ""]
     lines += ["[copy]   # one expert host → device: latency_s + bytes / bytes_per_s",
               f"bytes_per_s = {num(prof.copy_bytes_per_s)}", f"latency_s = {num(prof.copy_latency_s)}", "",
               "[crossing]   # per split MoE layer and pass: hidden state to the host and the host half's output back",
               f"s = {num(prof.crossing_s)}", "",
-              "[non_expert]   # a pass outside the routed experts, on the device: non-expert bytes × (a + tokens × b)",
+              "[non_expert]   # a pass outside the routed experts (profile.non_expert_on): non-expert bytes × (a + tokens × b)",
               f"s_per_byte = {num(prof.non_expert_s_per_byte)}",
               f"s_per_byte_token = {num(prof.non_expert_s_per_byte_token)}", "",
               "[draft]   # one draft token on the host: s_per_token for this file, else its bytes × s_per_byte",

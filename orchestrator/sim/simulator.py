@@ -309,7 +309,9 @@ class Simulator:
             stats["cpu_tokens"] += n_host
             acc["cpu"] += n_host
             acc["fetched"] += int(n[miss].sum() - n_host)
-            end_host = t + host + (c.sync_s if len(host_experts) or c.sync_every_layer else 0.0)
+            sync = c.sync_s if len(host_experts) or c.sync_every_layer else 0.0
+            end_host = t + host + (0.0 if c.sync_on_device else sync)
+            end_device += sync if c.sync_on_device else 0.0
             t = max(end_device, end_host) if c.overlap else end_device + (end_host - t)
             layer_time[layer] = t - t_layer
         return t, layer_time, stats
