@@ -12,11 +12,11 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
       device half alone   (only_half = device, absent experts skipped): base_d(n) + Σ resident experts
       host half alone     (only_half = host):                            base_h(n) + Σ host experts
       both halves         (the live engine): the check, predicted from the rest vs timed
-    expert cost model     t(m tokens) = W_e · s_per_byte(m): a table at m = the pass sizes, linear
-                          between, fitted by least squares over the passes of each half (one
-                          intercept per n); a table rather than a line because one token streams
-                          the weights and more reuse them (a line through 1..9 tokens put the
-                          one-token time 30% low on this machine's F16 experts)
+    expert cost model     t(m tokens) = W_e · s_per_byte(m), a table over m = 1 .. γ+1 filled
+                          from a line t(1) .. t(γ+1) fitted by least squares over the passes of
+                          each half (one intercept per n): per distinct expert plus per token.
+                          A free value per m is not determined (few experts get more than 4 of
+                          9 tokens); the line leaves residuals of ±5 ms on 40-420 ms passes here
     crossing              base_h(n) − base_d(n) is the host half's output going back to the
                           device; the hidden state going to the host costs the same again (it
                           happens in both engines, so it cannot be told apart from the pass: the
@@ -62,6 +62,10 @@ LEVELS = (0.0, 0.5, 1.0)  # share of the used experts resident
 # the passes timed here (a context just big enough for them would attend over a few dozen and
 # time the attention several times too cheap)
 N_CTX = 256
+# the live session's batch (SessionConfig.n_batch): with a ubatch of that size a one-token pass
+# costs about 15% more on this test machine than with a 16-token ubatch (llama.cpp sizes its
+# graph and buffers by the ubatch), so the passes are timed with the session's
+N_BATCH = 512
 
 
 def synthetic_model(tmp: Path, preset: str = "qwen3-30b-a3b", n_layer: int = 4, n_expert: int = 16) -> Path:
@@ -91,7 +95,7 @@ class _Bench:
         from orchestrator.llm import Context
         from orchestrator.native import ExpertEngine, Routing
 
-        self.ctx = Context(model, n_ctx=N_CTX, n_batch=max(len(batch), 16), n_threads=n_threads)
+        self.ctx = Context(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=n_threads)
         self.engine = ExpertEngine(self.ctx.ptr, path, device=device, budget_bytes=budget_bytes, **engine_args)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self.batch = batch
@@ -128,7 +132,7 @@ def _used(model, batch: np.ndarray, prefix: np.ndarray, n_threads: int, n_expert
     from orchestrator.llm import Context
     from orchestrator.native import Routing
 
-    ctx = Context(model, n_ctx=N_CTX, n_batch=max(len(batch), 16), n_threads=n_threads)
+    ctx = Context(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=n_threads)
     try:
         n_used = int(model.meta(f"{model.arch}.expert_used_count") or 1)
         routing = Routing(ctx.ptr, n_used)
@@ -163,30 +167,35 @@ def _knot_weights(m: np.ndarray, knots) -> np.ndarray:
     return out
 
 
-def _fit(rows: list[tuple[int, np.ndarray, float]], tokens) -> tuple[np.ndarray, dict]:
+def _fit(rows: list[tuple[int, np.ndarray, float]], tokens) -> tuple[tuple, np.ndarray, dict]:
     """Least squares of time = base(n) + Σ_experts t(m) over (n, token counts of the side's
-    experts, time) rows: (t at each of `tokens`, {n: base(n)})."""
+    experts, time) rows, t linear from 1 to the largest n (and beyond):
+    ((1 .. largest n), t there, {n: base(n)})."""
     index = {n: i for i, n in enumerate(tokens)}
+    knots = tuple(sorted({1, tokens[-1]}))
     k = len(tokens)
-    x = np.zeros((len(rows), 2 * k))
+    x = np.zeros((len(rows), k + len(knots)))
     y = np.zeros(len(rows))
     for r, (n, m, t) in enumerate(rows):
         x[r, index[n]] = 1.0
-        x[r, k:] = _knot_weights(m, tokens)
+        x[r, k:] = _knot_weights(m, knots)
         y[r] = t
     sol, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return np.maximum(sol[k:], 1e-9), {n: float(sol[index[n]]) for n in tokens}
+    at = np.arange(1, tokens[-1] + 1)
+    table = np.maximum(np.interp(at, knots, sol[k:]), 1e-9)
+    return tuple(int(v) for v in at), table, {n: float(sol[index[n]]) for n in tokens}
 
 
 def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path: Path | None = None,
             tokens=TOKENS, repeats: int = 3, name: str = "", progress: Callable[[str], None] = lambda s: None,
             seed: int = 0, layers_on_device: bool | None = None, repack: str | None = None,
-            skip_absent: bool = False) -> MeasuredProfile:
+            skip_absent: bool = False, raw: dict | None = None) -> MeasuredProfile:
     """Time the passes described in the module docstring and return the profile.
 
     layers_on_device: the non-expert weights on the pool device (-ngl 99; default with a device
     other than the CPU) or on the host. repack: the host weights' layout (default: spac's).
-    skip_absent: the live engine's setting on the device (the check pass and the zero slot)."""
+    skip_absent: the live engine's setting on the device (the check pass and the zero slot).
+    raw: filled with the timed passes, {"device"|"host": [(n, token counts of that side's experts, s)]}."""
     from orchestrator.llm import Model
     from orchestrator.placement import devices
 
@@ -246,8 +255,10 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
                 bench.close()
 
         progress("fitting")
-        dev_t, base_d = _fit(timed["device"], tokens)
-        host_t, base_h = _fit(timed["host"], tokens)
+        if raw is not None:
+            raw.update(timed)
+        sizes, dev_t, base_d = _fit(timed["device"], tokens)
+        _, host_t, base_h = _fit(timed["host"], tokens)
         ne_bytes = target.non_expert_bytes(quant)
         if layers_on_device:
             # the host half alone pays both ways, the device half alone one (the hidden state goes to
@@ -272,8 +283,8 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         prof = MeasuredProfile(
             key="measured", name=name or f"{cpu_name()} + {dev_name}, {n_threads} host thread(s)",
             cpu=cpu_name(), device=dev_name, host_threads=n_threads, vram_GB=free / 1e9,
-            host={quant: (tokens, tuple(float(v) / w_e for v in host_t))},
-            device_rates={quant: (tokens, tuple(float(v) / w_e for v in dev_t))},
+            host={quant: (sizes, tuple(float(v) / w_e for v in host_t))},
+            device_rates={quant: (sizes, tuple(float(v) / w_e for v in dev_t))},
             copy_bytes_per_s=check.get("copy_bytes_per_s", 0.0) or 1e9, copy_latency_s=0.0,
             crossing_s=crossing, non_expert_s_per_byte=max(float(ne_a), 0.0) / ne_bytes,
             non_expert_s_per_byte_token=max(float(ne_b), 0.0) / ne_bytes,
@@ -319,7 +330,7 @@ def measure_draft(path: Path, n_threads: int, rng: np.random.Generator, n: int =
     from orchestrator.native import Routing
 
     draft = Model(path, n_threads=n_threads)
-    ctx = Context(draft, n_ctx=N_CTX, n_batch=16, n_threads=n_threads)
+    ctx = Context(draft, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=n_threads)
     try:
         if draft.n_expert:
             Routing(ctx.ptr, int(draft.meta(f"{draft.arch}.expert_used_count") or 1))
