@@ -194,6 +194,36 @@ def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
     return [{"row": f"overlap bench: {k}", "predicted_s": predicted[k], "measured_s": measured[k]} for k in measured]
 
 
+def keep(out: Path, rows: list[Row], profile: Path, overlap: list, target: Path, draft: Path) -> None:
+    """What --replay needs: the profile, each row's trace and measured numbers, the overlap rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    if Path(profile).resolve() != (out / "profile.toml").resolve():
+        (out / "profile.toml").write_text(Path(profile).read_text())
+    for i, r in enumerate(rows):
+        r.trace.save(out / f"row{i}.npz")
+    (out / "live.json").write_text(json.dumps({
+        "target": str(target), "draft": str(draft), "overlap": overlap,
+        "rows": [{"budget": r.budget, "policy": r.policy, "speculative": r.speculative, "tokens": r.tokens,
+                  "seconds": r.seconds, "n_slots": r.n_slots} for r in rows]}, indent=1))
+
+
+def replay(args, command: str) -> None:
+    """Predict the kept live rows again (a changed cost model, the same measurements)."""
+    from orchestrator.sim.trace import read_trace
+
+    data = json.loads((args.replay / "live.json").read_text())
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        row = Row(r["budget"], r["policy"], r["speculative"], tokens=r["tokens"], seconds=r["seconds"],
+                  n_slots=r["n_slots"], trace=read_trace(args.replay / f"row{i}.npz"))
+        predict(row, args.replay / "profile.toml", Path(data["target"]), Path(data["draft"]))
+        rows.append(row)
+    from orchestrator.sim import profiles
+
+    report(rows, data["overlap"], args, command, Path(data["target"]), Path(data["draft"]),
+           profiles.read_measured(args.replay / "profile.toml"), machine=f"replayed from {args.replay}")
+
+
 def ranking_checks(rows: list[Row]) -> list[tuple[str, str, bool]]:
     """Every pair of rows that differ in exactly one factor: (a, b, same order in both)."""
     out = []
@@ -220,6 +250,8 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="leave out the overlap bench's rows")
     ap.add_argument("--no-live", action="store_true", help="leave out the live rows (the overlap rows only)")
     ap.add_argument("--overlap-repeats", type=int, default=7)
+    ap.add_argument("--keep", type=Path, help="keep the profile, the traces and the live results in this directory")
+    ap.add_argument("--replay", type=Path, help="predict again from a --keep directory (no live run, no measurement)")
     args = ap.parse_args()
 
     target, draft = args.model, args.model_draft
@@ -236,7 +268,9 @@ def main() -> None:
     cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
     rows = [] if args.no_live else [Row(b, p, spec) for b in BUDGETS for p in POLICIES for spec in (True, False)]
     overlap = []
-    with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:
+    if args.replay:
+        return replay(args, command)
+    with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:  # noqa: SIM117
         tmp = Path(tmp)
         profile = args.profile
         if not args.no_overlap:
@@ -253,14 +287,26 @@ def main() -> None:
             run_live(row, target, draft, device, args, tmp / "calibration.json")
             print(f"  live {row.name}: {row.measured:.2f} tok/s ({time.monotonic() - t:.0f} s)", file=sys.stderr,
                   flush=True)
+        if args.keep:
+            keep(args.keep, rows, profile, overlap, target, draft)
         wall = time.monotonic() - t0
         load1 = os.getloadavg()
-        other = (machine_cpu_seconds() - cpu0) - (own_cpu_seconds() - own0)
+        cpu1, own_before = machine_cpu_seconds(), own_cpu_seconds()
         for row in rows:
             predict(row, profile, target, draft)
+        predicting = own_cpu_seconds() - own_before
         prof = profiles.read_measured(profile) if rows else None
+    # after the RPC server has exited: its CPU time is then counted as ours (a waited-for child)
+    other = (cpu1 - cpu0) - (own_cpu_seconds() - own0 - predicting)
 
     n_cpu = os.cpu_count() or 1
+    report(rows, overlap, args, command, target, draft, prof,
+           machine=f"{cpu_name()}, {n_cpu} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; "
+                   f"other processes used {max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run")
+
+
+def report(rows: list[Row], overlap: list, args, command: str, target: Path, draft: Path, prof, machine: str) -> None:
+    """The tables, the checks, the machine line and the command; --json."""
     if overlap:
         print("overlap bench (bench/bench_overlap.py's setting: 4 synthetic OLMoE-1B-7B layers, Q4_0, one verify "
               "pass of 9 tokens, τ = 5; profile measured on that file with its layers on the host)")
@@ -270,7 +316,7 @@ def main() -> None:
             print(f"| {o['row'].split(': ')[1]} | {1e3 * o['measured_s']:.1f} | {1e3 * o['predicted_s']:.1f} | "
                   f"{100 * (o['predicted_s'] / o['measured_s'] - 1):+.1f}% |")
     if not rows:
-        print(f"machine: {cpu_name()}, {n_cpu} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end")
+        print(f"machine: {machine}")
         print(f"command: {command}")
         return
     print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; host 1 thread, "
@@ -291,10 +337,10 @@ def main() -> None:
     for a, b, ok in checks:
         if not ok:
             print(f"  order differs: {a} vs {b}")
-    same_text = all(r.texts == rows[0].texts for r in rows)
-    print(f"outputs: {'every row identical' if same_text else 'ROWS DIFFER'}")
-    print(f"machine: {cpu_name()}, {n_cpu} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; "
-          f"other processes used {max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run")
+    if rows[0].texts:
+        same_text = all(r.texts == rows[0].texts for r in rows)
+        print(f"outputs: {'every row identical' if same_text else 'ROWS DIFFER'}")
+    print(f"machine: {machine}")
     print(f"command: {command}")
     if args.json:
         args.json.write_text(json.dumps([

@@ -193,6 +193,8 @@ class CostModel:
     transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
     overlap: bool = True             # the device half runs while the host half does (False: a CPU test device)
     sync_on_device: bool = False     # the crossing delays the device half (layers on the host), not the host half
+    copy_blocks_device: bool = False  # copies and device compute share one worker (an RPC server): a pass
+                                      # starts only when the copies queued before it are done
 
     @classmethod
     def build(
@@ -268,7 +270,7 @@ class CostModel:
             dense_layer_s=share * per_pass, dense_layer_token_s=share * per_token,
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
             draft_token_s=draft_s, sync_s=hw.crossing_s, sync_every_layer=True, zero_slot=hw.zero_slot,
-            overlap=hw.overlap, sync_on_device=hw.non_expert_on == "host",
+            overlap=hw.overlap, sync_on_device=hw.non_expert_on == "host", copy_blocks_device=hw.copy_blocks_device,
             vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
         )
 
@@ -355,6 +357,7 @@ class MeasuredProfile:
     zero_slot: bool = True
     overlap: bool = True   # False: the pool device shares the host's threads (the CPU test device)
     non_expert_on: str = "device"  # where the measured passes ran the layers' non-expert weights
+    copy_blocks_device: bool = False  # the device computes and receives copies on the same thread(s)
     measured_with: str = ""
     measured_at: str = ""
     check: dict = field(default_factory=dict)
@@ -406,6 +409,7 @@ def read_measured(path: str | Path) -> MeasuredProfile:
             draft_s_per_token=float(data["draft"].get("s_per_token", 0.0)),
             draft_file=str(data["draft"].get("file", "")), zero_slot=bool(p.get("zero_slot", True)),
             overlap=bool(p.get("overlap", True)), non_expert_on=str(p.get("non_expert_on", "device")),
+            copy_blocks_device=bool(p.get("copy_blocks_device", False)),
             measured_with=str(p.get("measured_with", "")), measured_at=str(p.get("measured_at", "")),
             check=dict(data.get("check", {})))
     except KeyError as e:
@@ -431,6 +435,7 @@ def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -
         f"cpu = {text(prof.cpu)}", f"device = {text(prof.device)}", f"host_threads = {prof.host_threads}",
         f"vram_GB = {num(prof.vram_GB)}", f"zero_slot = {'true' if prof.zero_slot else 'false'}",
         f"overlap = {'true' if prof.overlap else 'false'}", f"non_expert_on = {text(prof.non_expert_on)}",
+        f"copy_blocks_device = {'true' if prof.copy_blocks_device else 'false'}",
         f"measured_with = {text(prof.measured_with)}", f"measured_at = {text(prof.measured_at)}", ""]
     for side, rates in (("host", prof.host), ("device", prof.device_rates)):
         for q, (n, x) in rates.items():

@@ -20,6 +20,9 @@ One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
                experts between a copy and the host (HybriMoE), see `_greedy`.
     plan       the policy sees the pass (on_layer, layer by layer; plan at the end)
 
+A device whose copies run on its compute thread (an RPC server: `copy_blocks_device`) starts the
+pass only when the copies queued before it are done (counted as stall).
+
 An expert counts as on the device for a layer when its slot was claimed before the pass and
 its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
 maps are set once per ubatch) or before the layer starts (visibility "layer", seed 004 Fig. 3).
@@ -237,7 +240,7 @@ class Simulator:
                     if p is not None:
                         pool.apply(p, now=at, evicts=policy.evicts)
             verify_start = start + draft_s
-            if policy.wait_for_prefetch and pool.link_free_at > verify_start:
+            if (policy.wait_for_prefetch or c.copy_blocks_device) and pool.link_free_at > verify_start:
                 stall_total += pool.link_free_at - verify_start
                 verify_start = pool.link_free_at
             now, layer_time, stats = self._verify(policy, pool, routing, verify_start, acc)
