@@ -25,10 +25,10 @@ MACHINE = MeasuredProfile(
     non_expert_s_per_byte=2.5e-11, non_expert_s_per_byte_token=1e-12, draft_s_per_byte=1e-10)
 
 
-def tokens_per_s(machine: MeasuredProfile, tmp_path, policy: str = "spac", ratio: float = 0.25) -> float:
+def tokens_per_s(machine: MeasuredProfile, tmp_path, policy: str = "spac", ratio: float = 0.25, gamma: int = 4) -> float:
     path = write_measured(tmp_path / f"{policy}-{id(machine)}.toml", machine)
-    trace = family_trace("gpt-oss-20b", 12, gamma=4, acceptance=0.8, seed=1)
-    config = SimConfig(hardware=str(path), model="gpt-oss-20b", draft="qwen3-0.6b", cache_ratio=ratio)
+    trace = family_trace("gpt-oss-20b", 12, gamma=gamma, acceptance=0.8, seed=1)
+    config = SimConfig(hardware=str(path), model="gpt-oss-20b", draft="qwen3-0.6b" if gamma else None, cache_ratio=ratio)
     return Simulator(trace, config).run(make_policy(policy)).tokens_per_s
 
 
@@ -97,3 +97,13 @@ def test_measure_writes_a_profile_that_loads(tmp_path):
     target, quant = profiles.from_gguf(MODELS_DIR / "spac-tiny-moe-f16.gguf")
     costs = CostModel.from_measured(p, target, quant=quant)
     assert costs.gpu_expert_s(1) >= 0 and costs.cpu_expert_s(9) >= costs.cpu_expert_s(1)
+
+
+def test_copies_on_the_device_thread_delay_passes(tmp_path):
+    """An RPC server receives copies on its compute thread: spac's prefetches (autoregressive: no
+    drafting to hide them behind) then delay the next pass; static placement copies nothing after
+    its first fill and is not affected."""
+    blocking = replace(MACHINE, copy_blocks_device=True)
+    assert tokens_per_s(blocking, tmp_path, "spac", gamma=0) < tokens_per_s(MACHINE, tmp_path, "spac", gamma=0)
+    assert tokens_per_s(blocking, tmp_path, "static", gamma=0) == pytest.approx(
+        tokens_per_s(MACHINE, tmp_path, "static", gamma=0))
