@@ -325,7 +325,7 @@ def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
             elif costs.sync_on_device:
                 both = max(dev + costs.sync_s, host)
             else:
-                both = max(dev, host + costs.sync_s)
+                both = max(dev + costs.sync_serial_s, host + costs.sync_s)
             total += costs.dense_layer_time(n) + both
         predicted.setdefault(n, []).append(total)
         measured.setdefault(n, []).append(t)

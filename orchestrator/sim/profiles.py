@@ -193,8 +193,10 @@ class CostModel:
     transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
     overlap: bool = True             # the device half runs while the host half does (False: a CPU test device)
     sync_on_device: bool = False     # the crossing delays the device half (layers on the host), not the host half
-    copy_blocks_device: bool = False  # copies and device compute share one worker (an RPC server): a pass
-                                      # starts only when the copies queued before it are done
+    sync_serial_s: float = 0.0       # the part of sync_s both halves wait for: the hidden state reaching the
+                                     # host before the device half is queued (layers on the device)
+    copy_blocks_device: bool = False  # copies and device compute share one worker (an RPC server): the
+                                      # copies queued before a pass take device time in it
 
     @classmethod
     def build(
@@ -271,6 +273,9 @@ class CostModel:
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
             draft_token_s=draft_s, sync_s=hw.crossing_s, sync_every_layer=True, zero_slot=hw.zero_slot,
             overlap=hw.overlap, sync_on_device=hw.non_expert_on == "host", copy_blocks_device=hw.copy_blocks_device,
+            # layers on the device: the host half's inputs come first in the graph, so the device
+            # half is queued only once the hidden state has reached the host (one way of the two)
+            sync_serial_s=hw.crossing_s / 2 if hw.non_expert_on == "device" else 0.0,
             vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
         )
 

@@ -20,8 +20,9 @@ One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
                experts between a copy and the host (HybriMoE), see `_greedy`.
     plan       the policy sees the pass (on_layer, layer by layer; plan at the end)
 
-A device whose copies run on its compute thread (an RPC server: `copy_blocks_device`) starts the
-pass only when the copies queued before it are done (counted as stall).
+A new plan replaces the copy queue, as in the engine: copies not started by then are dropped. A
+device whose copies run on its compute thread (an RPC server: `copy_blocks_device`) interleaves
+them with a pass: a pass lasts at least its device work plus the copy in flight (stall).
 
 An expert counts as on the device for a layer when its slot was claimed before the pass and
 its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
@@ -117,7 +118,9 @@ class Pool:
         self.costs = costs
         self.allocated = np.zeros((n_layer, n_expert), dtype=bool)
         self.ready_at = np.full((n_layer, n_expert), np.inf)
+        self.started_at = np.full((n_layer, n_expert), np.inf)  # when its copy takes the link
         self.link_free_at = 0.0
+        self.link_slowdown = 1.0  # > 1 while copies get only the idle time of a device's one thread
         self.n_allocated = 0
         self.prefetch_bytes = 0.0
         self.fetch_bytes = 0.0
@@ -131,7 +134,8 @@ class Pool:
         if free:
             done = earliest
         else:
-            done = max(earliest, self.link_free_at) + self.costs.transfer_s
+            self.started_at[layer, expert] = max(earliest, self.link_free_at)
+            done = self.started_at[layer, expert] + self.costs.transfer_s * self.link_slowdown
             self.link_free_at = done
             if in_pass:
                 self.fetch_bytes += self.costs.expert_bytes
@@ -146,14 +150,31 @@ class Pool:
         assert self.allocated[layer, expert]
         self.allocated[layer, expert] = False
         self.ready_at[layer, expert] = np.inf
+        self.started_at[layer, expert] = np.inf
         self.n_allocated -= 1
+
+    def cancel_queued(self, now: float) -> None:
+        """A new plan replaces the copy queue (the native worker rebuilds it from the newest plan):
+        copies that have not started by `now` are dropped and their slots given back."""
+        queued = self.allocated & (self.started_at > now) & np.isfinite(self.started_at)
+        if not queued.any():
+            return
+        for layer, expert in np.argwhere(queued):
+            self.evict(int(layer), int(expert))
+        self.prefetch_bytes -= int(queued.sum()) * self.costs.expert_bytes
+        running = self.allocated & (self.ready_at > now) & np.isfinite(self.ready_at)
+        self.link_free_at = max(now, float(self.ready_at[running].max()) if running.any() else now)
 
     def apply(self, plan: Plan, now: float, free: bool = False, evicts: bool = True) -> None:
         """Apply a plan the way the native copy engine does (llama-expert-pool.cpp, set_plan and
         pick_slot): serve the prefetch queue in order; each request takes a free slot, else the
         resident expert first in (position in plan.evict, wanted, utility, layer, expert) order,
         but an expert the plan still wants and did not list goes only for a request of higher
-        utility; a request that gets no slot is skipped. evicts=False: the engine's no_evict."""
+        utility; a request that gets no slot is skipped. evicts=False: the engine's no_evict.
+        Copies of an earlier plan that have not started yet are dropped first, as the engine's
+        worker rebuilds its queue from the newest plan."""
+        if not free:
+            self.cancel_queued(now)
         wanted = plan.wanted()
         utility = plan.utility.astype(np.int64)
         prefetch = plan.prefetch if plan.prefetch is not None else order_rows(-utility, wanted & ~self.allocated)
@@ -240,10 +261,23 @@ class Simulator:
                     if p is not None:
                         pool.apply(p, now=at, evicts=policy.evicts)
             verify_start = start + draft_s
-            if (policy.wait_for_prefetch or c.copy_blocks_device) and pool.link_free_at > verify_start:
+            if policy.wait_for_prefetch and pool.link_free_at > verify_start:
                 stall_total += pool.link_free_at - verify_start
                 verify_start = pool.link_free_at
+            # a device whose copies run on its compute thread interleaves them with the pass's
+            # work: they fill its idle time, and a new plan drops what has not started, so a pass
+            # waits at most for the copy in flight when its device work needs the thread
+            backlog = min(max(pool.link_free_at - verify_start, 0.0), c.transfer_s)
             now, layer_time, stats = self._verify(policy, pool, routing, verify_start, acc)
+            if c.copy_blocks_device and verify_start + stats["device_busy"] + backlog > now:
+                stall_total += verify_start + stats["device_busy"] + backlog - now
+                now = verify_start + stats["device_busy"] + backlog
+            if c.copy_blocks_device:
+                # the next copies run in the device's idle time: without drafting in between (γ = 0)
+                # that is the share of a pass the device is idle
+                length = now - verify_start
+                idle = max(length - stats["device_busy"], 0.05 * length)
+                pool.link_slowdown = length / idle if routing.n_drafted == 0 else 1.0
             draft_total += draft_s
             step_time[s] = now - start
             feedback = Feedback(
@@ -272,11 +306,14 @@ class Simulator:
         counts, weights = layer_usage(routing, self.trace.n_expert)
         n_layer = counts.shape[0]
         layer_time = np.zeros(n_layer)
-        stats = dict(cpu_s=0.0, cpu_tokens=0, gpu_s=0.0, gpu_experts=0)
+        stats = dict(cpu_s=0.0, cpu_tokens=0, gpu_s=0.0, gpu_experts=0, device_busy=0.0)
         at_start = pool.allocated.copy()
         evicted = np.zeros_like(pool.allocated)  # evicted by an in-pass copy
         n_tokens = routing.n_drafted + 1
         t = start + c.fixed_pass_time(n_tokens)
+        dense_on_device = not c.sync_on_device  # where the non-expert part runs (measured profiles)
+        if dense_on_device:
+            stats["device_busy"] += c.fixed_pass_time(n_tokens) + n_layer * c.dense_layer_time(n_tokens)
         for layer in range(n_layer):
             t_layer = t
             t += c.dense_layer_time(n_tokens)
@@ -308,13 +345,15 @@ class Simulator:
             n_host = int(n[host_experts].sum())
             if c.zero_slot and n_host:  # the device multiplies the absent experts' tokens by the zero slot
                 end_device += float(c.gpu_expert_s(n_host))
+            stats["device_busy"] += end_device - t
             stats["cpu_s"] += host
             stats["cpu_tokens"] += n_host
             acc["cpu"] += n_host
             acc["fetched"] += int(n[miss].sum() - n_host)
             sync = c.sync_s if len(host_experts) or c.sync_every_layer else 0.0
+            serial = min(c.sync_serial_s, sync)  # both halves wait for it
             end_host = t + host + (0.0 if c.sync_on_device else sync)
-            end_device += sync if c.sync_on_device else 0.0
+            end_device += serial + (sync - serial if c.sync_on_device else 0.0)
             t = max(end_device, end_host) if c.overlap else end_device + (end_host - t)
             layer_time[layer] = t - t_layer
         return t, layer_time, stats
