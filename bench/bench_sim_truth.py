@@ -17,7 +17,15 @@
    policy class and the engine's slot count; the trace carries the γ and acceptance of every
    step, so only the cost model is under test.
 
-Printed: a table of predicted and measured tok/s with the error of each row, whether the ranking
+4. The overlap bench's rows (bench_overlap.py's setting: all-host, serial, overlapped, each half
+   alone), timed and predicted from a profile measured on that file in that layout.
+
+--keep DIR saves the profile, the traces and the live numbers; --replay DIR predicts them again
+with the current cost model (no live run): how a change to the model is held against the same
+measurements.
+
+Printed: a table of predicted and measured tok/s with the error of each row (and the share of
+expert work on the device and the expert copies, measured and simulated), whether the ranking
 of the configurations agrees (every pair of rows that differ in one factor: budget, policy,
 speculation, ordered the same way by prediction and measurement), the machine load and the
 command. --json FILE writes the rows as a list of objects ("row", "predicted_tok_s",
@@ -64,12 +72,20 @@ class Row:
     n_slots: int = 0
     trace: object = None
     texts: list = field(default_factory=list)
+    device_tokens: int = 0   # expert-token pairs the live engine computed on the device
+    host_tokens: int = 0
+    copies: int = 0
     predicted: float = float("nan")
     sim: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return f"{self.budget:.0%} {self.policy} {'+ speculative' if self.speculative else 'autoregressive'}"
+
+    @property
+    def measured_hit(self) -> float:
+        n = self.device_tokens + self.host_tokens
+        return self.device_tokens / n if n else float("nan")
 
     @property
     def measured(self) -> float:
@@ -114,6 +130,9 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
             c = s.complete(prompt, max_tokens=args.n, sampling=SamplingParams(temperature=0.0))
             row.tokens += c.metrics.n_tokens
             row.seconds += c.metrics.decode_s
+            row.device_tokens += c.metrics.n_expert_tokens_device
+            row.host_tokens += c.metrics.n_expert_tokens_cpu
+            row.copies += c.metrics.n_copies
             row.texts.append(c.text)
         row.trace = writer.to_trace()
 
@@ -131,9 +150,11 @@ def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
         dkey = profiles.register(dprof)
     config = SimConfig(hardware=str(profile), model=profiles.register(tprof), draft=dkey, quant=quant,
                        draft_quant=dquant, capacity=row.n_slots)
-    r = Simulator(row.trace, config).run(make_policy(POLICIES[row.policy]))
+    sim = Simulator(row.trace, config)
+    r = sim.run(make_policy(POLICIES[row.policy]))
     row.predicted = r.tokens_per_s
-    row.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "ms_per_step": 1e3 * r.time_s / max(r.n_steps, 1)}
+    row.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "ms_per_step": 1e3 * r.time_s / max(r.n_steps, 1),
+               "copies": round(r.bytes_moved / sim.costs.expert_bytes)}
 
 
 def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
@@ -204,7 +225,8 @@ def keep(out: Path, rows: list[Row], profile: Path, overlap: list, target: Path,
     (out / "live.json").write_text(json.dumps({
         "target": str(target), "draft": str(draft), "overlap": overlap,
         "rows": [{"budget": r.budget, "policy": r.policy, "speculative": r.speculative, "tokens": r.tokens,
-                  "seconds": r.seconds, "n_slots": r.n_slots} for r in rows]}, indent=1))
+                  "seconds": r.seconds, "n_slots": r.n_slots, "device_tokens": r.device_tokens,
+                  "host_tokens": r.host_tokens, "copies": r.copies} for r in rows]}, indent=1))
 
 
 def replay(args, command: str) -> None:
@@ -215,7 +237,8 @@ def replay(args, command: str) -> None:
     rows = []
     for i, r in enumerate(data["rows"]):
         row = Row(r["budget"], r["policy"], r["speculative"], tokens=r["tokens"], seconds=r["seconds"],
-                  n_slots=r["n_slots"], trace=read_trace(args.replay / f"row{i}.npz"))
+                  n_slots=r["n_slots"], trace=read_trace(args.replay / f"row{i}.npz"),
+                  device_tokens=r.get("device_tokens", 0), host_tokens=r.get("host_tokens", 0), copies=r.get("copies", 0))
         predict(row, args.replay / "profile.toml", Path(data["target"]), Path(data["draft"]))
         rows.append(row)
     from orchestrator.sim import profiles
@@ -321,12 +344,13 @@ def report(rows: list[Row], overlap: list, args, command: str, target: Path, dra
         return
     print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; host 1 thread, "
           f"RPC device 1 thread on 127.0.0.1; profile {prof.name} measured on {prof.measured_with}")
-    print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit |")
-    print("|---|---|---|---|---|---|---|")
+    print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit measured / simulated | "
+          "copies measured / simulated |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = r.predicted / r.measured - 1
         print(f"| {r.name} | {r.n_slots} | {r.measured:.2f} | {r.predicted:.2f} | {100 * err:+.1f}% | "
-              f"{r.sim['steps']} | {r.sim['hit']:.2f} |")
+              f"{r.sim['steps']} | {r.measured_hit:.2f} / {r.sim['hit']:.2f} | {r.copies} / {r.sim['copies']} |")
     errors = [abs(r.predicted / r.measured - 1) for r in rows]
     checks = ranking_checks(rows)
     by_meas = [r.name for r in sorted(rows, key=lambda r: -r.measured)]
@@ -346,7 +370,8 @@ def report(rows: list[Row], overlap: list, args, command: str, target: Path, dra
         args.json.write_text(json.dumps([
             {"row": r.name, "budget": r.budget, "policy": r.policy, "speculative": r.speculative, "slots": r.n_slots,
              "predicted_tok_s": r.predicted, "measured_tok_s": r.measured, "error": r.predicted / r.measured - 1,
-             "tokens": r.tokens, "seconds": r.seconds, **{f"sim_{k}": v for k, v in r.sim.items()}}
+             "tokens": r.tokens, "seconds": r.seconds, "measured_hit": r.measured_hit, "copies": r.copies,
+             **{f"sim_{k}": v for k, v in r.sim.items()}}
             for r in rows] + [{**o, "predicted_tok_s": None, "measured_tok_s": None,
                                "error": o["predicted_s"] / o["measured_s"] - 1} for o in overlap], indent=1) + "\n")
 

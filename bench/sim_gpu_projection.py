@@ -79,7 +79,7 @@ def main() -> None:
 
     note = ""
     if args.validation:
-        rows = json.loads(args.validation.read_text())
+        rows = [r for r in json.loads(args.validation.read_text()) if r.get("measured_tok_s")]
         errs = [abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows]
         note = f"{100 * max(errs):.0f}% (mean {100 * sum(errs) / len(errs):.0f}%)"
     print("| card | model | pool (experts) | llama.cpp --n-cpu-moe | + speculative | spac | spac + speculative |"
