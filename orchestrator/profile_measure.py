@@ -30,8 +30,8 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
 
 Each rate is per byte of the weights read, so a profile measured on one model predicts another
 of the same weight type. Every timed pass routes a new random batch (`repeats` per point), as a
-live run routes new tokens every step: on this test machine (a 480 MiB last-level cache) passes
-that repeat one batch ran 15-25% faster than a generation's; the whole measurement takes
+live run routes new tokens every step (a batch repeated would meet weights that a large
+last-level cache, 480 MiB on the test machine, has just seen); the whole measurement takes
 seconds on the test models and about a minute on a 4.6 GB target over the RPC device.
 
 This module drives the live engine (like `orchestrator.record`), so it lives outside `sim/`.
@@ -63,9 +63,8 @@ LEVELS = (0.0, 0.5, 1.0)  # share of the used experts resident
 # the passes timed here (a context just big enough for them would attend over a few dozen and
 # time the attention several times too cheap)
 N_CTX = 256
-# the live session's batch (SessionConfig.n_batch): with a ubatch of that size a one-token pass
-# costs about 15% more on this test machine than with a 16-token ubatch (llama.cpp sizes its
-# graph and buffers by the ubatch), so the passes are timed with the session's
+# the live session's batch (SessionConfig.n_batch): the passes are timed with the graph and
+# buffers llama.cpp sizes for the ubatch the session uses
 N_BATCH = 512
 
 
@@ -214,8 +213,8 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
     model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, **layout)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, model.n_vocab, PREFIX)
-    # a new batch for every timed pass, as a live run routes new tokens every step: passes that
-    # repeat one batch find its experts in a large last-level cache and time them too fast
+    # a new batch for every timed pass, as a live run routes new tokens every step (a repeated
+    # batch would meet experts a large last-level cache has just seen)
     batches = [rng.integers(0, model.n_vocab, max(tokens)) for _ in range(repeats + 1)]
     n_layer, n_expert = target.n_layer, target.n_expert
     slot = int(np.ceil(w_e))
