@@ -32,7 +32,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from orchestrator import drafts, record
+from orchestrator import drafts, profile_measure, record
 from orchestrator.llm import deferred_sigint
 from orchestrator.options import (EXIT_INTERRUPTED, Budget, RunOptions, default_models, fail, open_session,
                                   run_options, session_setup)
@@ -405,6 +405,7 @@ def serve(
 # the command groups of other modules: the simulator's (a leaf: it never imports the session,
 # so the live `trace record` is added to its `trace` group here) and the draft tools
 sim_cli.trace_app.command("record")(record.record_cmd)
+sim_cli.profile_app.command("measure")(profile_measure.measure_cmd)
 app.add_typer(sim_cli.app, name="sim")
 app.add_typer(sim_cli.trace_app, name="trace")
 app.add_typer(drafts.app, name="draft")

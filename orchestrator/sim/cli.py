@@ -33,6 +33,9 @@ app = typer.Typer(help="Trace-driven simulation of expert caching policies (tabl
                   no_args_is_help=True)
 trace_app = typer.Typer(help="Routing traces: record (mounted by the main CLI), synthesise, inspect.",
                         no_args_is_help=True)
+profile_app = typer.Typer(help="Hardware profiles: measure this machine (mounted by the main CLI), show one.",
+                          no_args_is_help=True)
+app.add_typer(profile_app, name="profile")
 console = Console(width=220)
 err_console = Console(stderr=True, highlight=False)
 
@@ -43,7 +46,8 @@ StepsOpt = typer.Option(200, "--steps", help="verification steps (synthetic leng
 SeedOpt = typer.Option(0, "--seed", help="synthetic trace seed")
 GammaOpt = typer.Option(8, "--gamma", help="synthetic draft length γ")
 AcceptOpt = typer.Option(0.75, "--acceptance", help="synthetic per-token acceptance α")
-HardwareOpt = typer.Option("rtx4090", "--hardware", help="hardware profile (spac sim profiles)")
+HardwareOpt = typer.Option("rtx4090", "--hardware", help="hardware profile (spac sim profiles), or a measured "
+                           "profile's .toml file (spac sim profile measure)")
 ModelOpt = typer.Option(None, "--model-profile", "--model",
                         help="target model profile (spac sim profiles) [default: qwen3-30b-a3b; with --trace: "
                              "the trace's own model, from the GGUF it was recorded from]")
@@ -141,9 +145,13 @@ def _table(title: str, rows: list[dict]) -> Table:
     return table
 
 
+def _hardware_name(key: str) -> str:
+    return profiles.read_measured(key).name if profiles.is_measured(key) else profiles.hardware(key).name
+
+
 def _setting(trace: Trace, config: SimConfig) -> str:
     return (f"{trace.model or 'trace'}: {trace.n_steps} steps, {trace.n_generated} tokens; "
-            f"{profiles.hardware(config.hardware).name}; {config.quant}; draft {config.draft or 'free'}; "
+            f"{_hardware_name(config.hardware)}; {config.quant}; draft {config.draft or 'free'}; "
             f"cache {100 * config.cache_ratio:.0f}%; visibility {config.visibility}")
 
 
@@ -189,6 +197,24 @@ def profiles_cmd() -> None:
            "params B": m.params / 1e9, "expert MB Q4_K": m.expert_bytes() / 1e6 if m.n_expert else 0.0}
           for m in profiles.model_profiles().values()]
     console.print(_table("models", ms))
+
+
+@profile_app.command("show")
+def profile_show_cmd(path: Path = typer.Argument(..., help="a measured profile (.toml)")) -> None:
+    """Load a measured profile and print its unit times (for one expert of each model profile)."""
+    try:
+        p = profiles.read_measured(path)
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(code=1) from None
+    rows = [{"what": f"{side} expert {q}, µs per MB", **{f"{m} token(s)": 1e12 * x for m, x in zip(n, xs)}}
+            for side, rates in (("host", p.host), ("device", p.device_rates)) for q, (n, xs) in rates.items()]
+    console.print(_table(f"{p.name} ({p.device}, measured {p.measured_at} on {p.measured_with})", rows))
+    console.print(f"non-expert part of a pass: {1e12 * p.non_expert_s_per_byte:.1f} µs per MB + "
+                  f"{1e12 * p.non_expert_s_per_byte_token:.1f} per token ({p.non_expert_on})")
+    console.print(f"copy {p.copy_bytes_per_s / 1e9:.2f} GB/s + {1e6 * p.copy_latency_s:.0f} µs; crossing "
+                  f"{1e3 * p.crossing_s:.2f} ms per split layer; draft {1e3 * p.draft_s_per_token:.2f} ms per token "
+                  f"({p.draft_file or '-'}); device memory {p.vram_GB:.1f} GB")
 
 
 @app.command("run")

@@ -58,13 +58,16 @@ class Limit:
         return self.tokens / self.time_s if self.time_s > 0 else float("nan")
 
 
-def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True) -> np.ndarray:
+def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True, n_tokens: int = 1) -> np.ndarray:
     """c_l(j), j = 0..m: the least time of one layer with at most j of its m needed experts
     resident (counts: token counts of the needed experts, all > 0). fetch=False: no in-pass
-    copies (a pool of 0 slots has none to copy into)."""
+    copies (a pool of 0 slots has none to copy into). n_tokens: the pass's tokens (non-expert
+    time of measured profiles). A measured profile's crossing in every layer and zero slot
+    are left out: the bound only gets looser."""
     m = len(counts)
+    dense = costs.dense_layer_time(n_tokens)
     if m == 0:
-        return np.array([costs.dense_layer_s])
+        return np.array([dense])
     gpu = np.sort(np.asarray(costs.gpu_expert_s(counts), dtype=np.float64))
     cpu = np.sort(np.asarray(costs.cpu_expert_s(counts), dtype=np.float64))
     g = np.concatenate([[0.0], np.cumsum(gpu)])   # G(d), d = 0..m
@@ -79,14 +82,14 @@ def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True) -> np.
     link = np.where(f > 0, f * costs.transfer_s + gpu[0], 0.0)
     t = np.maximum(np.maximum(g[d], link), host)
     t = np.where(ok, t, np.inf).min(axis=1)
-    return costs.dense_layer_s + np.minimum.accumulate(t)
+    return dense + np.minimum.accumulate(t)
 
 
-def step_bound(counts: np.ndarray, capacity: int, costs: CostModel) -> float:
+def step_bound(counts: np.ndarray, capacity: int, costs: CostModel, n_tokens: int = 1) -> float:
     """Least Σ_l c_l(j_l) subject to Σ j_l ≤ capacity. counts: int [n_layer, n_expert]."""
     best = np.zeros(1)  # best[c]: least time of the layers so far using exactly ≤ c slots
     for row in counts:
-        c = layer_costs(row[row > 0], costs, fetch=capacity > 0)
+        c = layer_costs(row[row > 0], costs, fetch=capacity > 0, n_tokens=n_tokens)
         width = min(len(best) + len(c) - 1, capacity + 1)
         # new[x] = min_{j ≤ x} best[x − j] + c[j]  (best is non-increasing: extend with its last)
         padded = np.concatenate([np.full(len(c) - 1, np.inf), best,
@@ -103,7 +106,8 @@ def limit(trace: Trace, capacity: int, costs: CostModel, n_steps: int | None = N
     step_time = np.empty(n_steps)
     for s in range(n_steps):
         routing = trace.step(s)
-        step_time[s] = (routing.n_drafted * costs.draft_token_s + costs.fixed_pass_s
-                        + step_bound(routing.frequency(trace.n_expert), capacity, costs))
+        n_tokens = routing.n_drafted + 1
+        step_time[s] = (routing.n_drafted * costs.draft_token_s + costs.fixed_pass_time(n_tokens)
+                        + step_bound(routing.frequency(trace.n_expert), capacity, costs, n_tokens))
     tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
     return Limit(tokens=tokens, time_s=float(step_time.sum()), step_time=step_time, capacity=capacity)

@@ -11,12 +11,26 @@ unit times the simulator charges. All of it is roofline arithmetic on the profil
     one draft token            W_draft / B_gpu + n_block_draft · layer overhead
 
 with every B and P the profile's peak times its efficiency.
+
+A measured profile (`spac sim profile measure`, `MeasuredProfile`, a TOML file of its own
+format) gives the same unit times from timed passes of the patched engine instead of datasheet
+rates, each per byte of the weights it reads so that it carries over to another model shape:
+
+    expert, n tokens (host, device)   W_e · s_per_byte(n), a table over n = 1, 2, 4 .. γ+1,
+                                      linear between and beyond its points
+    copy one expert                   latency + W_e / bytes_per_s
+    non-expert part of a pass         W_ne · (s_per_byte + n · s_per_byte_token)  on the device
+    crossing                          per split layer, every pass: the engine's graph splits
+                                      every MoE layer whatever the residency
+    absent experts on the device      one zero-slot expert with their tokens (a device that does
+                                      not skip id -1 multiplies them by the all-zero slot)
+    one draft token                   measured on the draft file, else its bytes at the draft rate
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -169,6 +183,20 @@ class CostModel:
     sync_s: float             # per layer that has a host half
     vram_bytes: float = float("inf")
     static_bytes: float = 0.0  # device memory that is not the expert pool (weights, draft, KV)
+    # measured profiles (defaults: the datasheet roofline above)
+    gpu_table: tuple | None = None   # ((tokens...), (seconds of one expert...)): replaces the roofline
+    cpu_table: tuple | None = None
+    dense_layer_token_s: float = 0.0  # dense_layer_s grows by this per token of the pass
+    fixed_pass_token_s: float = 0.0   # fixed_pass_s grows by this per token of the pass
+    sync_every_layer: bool = False   # the crossing is paid by every MoE layer, not only those with a host half
+    zero_slot: bool = False          # the device computes absent experts' tokens with the all-zero slot
+    transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
+    overlap: bool = True             # the device half runs while the host half does (False: a CPU test device)
+    sync_on_device: bool = False     # the crossing delays the device half (layers on the host), not the host half
+    sync_serial_s: float = 0.0       # the part of sync_s both halves wait for: the hidden state reaching the
+                                     # host before the device half is queued (layers on the device)
+    copy_blocks_device: bool = False  # copies and device compute share one worker (an RPC server): the
+                                      # copies queued before a pass take device time in it
 
     @classmethod
     def build(
@@ -199,23 +227,248 @@ class CostModel:
             vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
         )
 
+    @classmethod
+    def from_measured(
+        cls,
+        hw: MeasuredProfile,
+        target: ModelProfile,
+        draft: ModelProfile | None = None,
+        quant: str = "Q4_K",
+        draft_quant: str = "Q8_0",
+        context: int = 4096,
+        draft_file: str | None = None,
+    ) -> CostModel:
+        """Unit times of `target` (and `draft`) on a measured machine (module docstring)."""
+        w_e = target.expert_bytes(quant)
+        host, device = hw.expert_rate("host", quant), hw.expert_rate("device", quant)
+        # the roofline fields, kept consistent for readers of them: stream = the one-token time,
+        # per-token flops from the table's last step
+        def roof(table):
+            n, s = table
+            slope = (s[-1] - s[-2]) / (n[-1] - n[-2]) if len(n) > 1 else s[0]
+            return 1.0 / max(s[0], 1e-30), 2.0 * target.expert_params / max(w_e * slope, 1e-30)
+        ne = target.non_expert_bytes(quant)
+        head = target.head_params * BITS_PER_WEIGHT[quant] / 8
+        share = (ne - head) / target.n_layer / ne if target.n_layer and ne else 0.0  # one MoE block's part
+        dense = target.n_dense_block * (target.dense_block_params or target.block_params) * BITS_PER_WEIGHT[quant] / 8
+        fixed_share = (head + dense) / ne if ne else 0.0
+        per_pass, per_token = ne * hw.non_expert_s_per_byte, ne * hw.non_expert_s_per_byte_token
+        static = ne + context * target.kv_bytes_per_token
+        draft_s = 0.0
+        if draft is not None:
+            draft_bytes = _draft_token_bytes(draft, draft_quant)
+            if draft_file is not None and hw.draft_file and Path(draft_file).name == hw.draft_file:
+                draft_s = hw.draft_s_per_token
+            else:
+                draft_s = draft_bytes * hw.draft_s_per_byte
+            static += context * draft.kv_bytes_per_token
+        (gpu_bw, gpu_flops), (cpu_bw, cpu_flops) = roof(device), roof(host)
+        return cls(
+            expert_bytes=w_e, expert_flops=2.0 * target.expert_params,
+            gpu_bw=gpu_bw, gpu_flops=gpu_flops, cpu_bw=cpu_bw, cpu_flops=cpu_flops,
+            gpu_table=(tuple(device[0]), tuple(w_e * x for x in device[1])),
+            cpu_table=(tuple(host[0]), tuple(w_e * x for x in host[1])),
+            pcie_bw=hw.copy_bytes_per_s, transfer_latency_s=hw.copy_latency_s,
+            dense_layer_s=share * per_pass, dense_layer_token_s=share * per_token,
+            fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
+            draft_token_s=draft_s, sync_s=hw.crossing_s, sync_every_layer=True, zero_slot=hw.zero_slot,
+            overlap=hw.overlap, sync_on_device=hw.non_expert_on == "host", copy_blocks_device=hw.copy_blocks_device,
+            # layers on the device: the host half's inputs come first in the graph, so the device
+            # half is queued only once the hidden state has reached the host (one way of the two)
+            sync_serial_s=hw.crossing_s / 2 if hw.non_expert_on == "device" else 0.0,
+            vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
+        )
+
     @property
     def transfer_s(self) -> float:
-        return self.expert_bytes / self.pcie_bw
+        return self.transfer_latency_s + self.expert_bytes / self.pcie_bw
+
+    def dense_layer_time(self, n_tokens: int) -> float:
+        """One MoE block's non-expert part in a pass of n_tokens tokens."""
+        return self.dense_layer_s + n_tokens * self.dense_layer_token_s
+
+    def fixed_pass_time(self, n_tokens: int) -> float:
+        """A pass's dense blocks and output head at n_tokens tokens."""
+        return self.fixed_pass_s + n_tokens * self.fixed_pass_token_s
 
     def gpu_expert_s(self, n_tokens):
         """Device time of experts with n_tokens tokens each (array or scalar)."""
-        return _roofline(self.expert_bytes / self.gpu_bw, self.expert_flops / self.gpu_flops, n_tokens)
+        return self._expert(self.expert_bytes / self.gpu_bw, self.expert_flops / self.gpu_flops, n_tokens, self.gpu_table)
 
     def cpu_expert_s(self, n_tokens):
         """Host time of experts with n_tokens tokens each (array or scalar)."""
-        return _roofline(self.expert_bytes / self.cpu_bw, self.expert_flops / self.cpu_flops, n_tokens)
+        return self._expert(self.expert_bytes / self.cpu_bw, self.expert_flops / self.cpu_flops, n_tokens, self.cpu_table)
+
+    @staticmethod
+    def _expert(stream_s: float, token_s: float, n_tokens, table):
+        import numpy as np
+
+        n = np.asarray(n_tokens, dtype=np.float64)
+        if table is None:
+            return np.maximum(stream_s, n * token_s)
+        return table_time(table, n)
 
 
-def _roofline(stream_s: float, flop_s: float, n_tokens):
+def table_time(table, n):
+    """Piecewise-linear time at n tokens through the (tokens, seconds) points, extended beyond the
+    last point along its last segment (0 tokens: nothing to do)."""
     import numpy as np
 
-    return np.maximum(stream_s, np.asarray(n_tokens, dtype=np.float64) * flop_s)
+    xs, ys = (np.asarray(v, dtype=np.float64) for v in table)
+    t = np.interp(n, xs, ys)
+    if len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        t = np.where(n > xs[-1], ys[-1] + (n - xs[-1]) * slope, t)
+    return np.where(n > 0, t, 0.0)
+
+
+def _draft_token_bytes(draft: ModelProfile, quant: str) -> float:
+    """Weights one draft token reads: every block (with its top-k experts for an MoE draft) and the head."""
+    per_block = draft.block_params + (draft.top_k * draft.expert_params if draft.n_expert and not draft.draft else 0)
+    return (draft.n_block * per_block + draft.head_params) * BITS_PER_WEIGHT[quant] / 8
+
+
+# ---------------------------------------------------------------------------- measured profiles
+
+MEASURED_FORMAT = "spac-measured-profile"
+MEASURED_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """A machine measured by `spac sim profile measure` (file format: `write_measured`).
+
+    Rates are seconds per byte of the weights read. `host`/`device`: {type: ((tokens...),
+    (s_per_byte...))}: one expert's matmuls (MUL_MAT_ID, the kernels and layouts spac runs) with
+    that many tokens, per byte of the expert. Non-expert part of a pass of n tokens:
+    bytes · (s_per_byte + n · s_per_byte_token)."""
+
+    key: str
+    name: str
+    cpu: str
+    device: str
+    host_threads: int
+    vram_GB: float
+    host: dict
+    device_rates: dict
+    copy_bytes_per_s: float
+    copy_latency_s: float
+    crossing_s: float
+    non_expert_s_per_byte: float
+    non_expert_s_per_byte_token: float
+    draft_s_per_byte: float
+    draft_s_per_token: float = 0.0
+    draft_file: str = ""
+    zero_slot: bool = True
+    overlap: bool = True   # False: the pool device shares the host's threads (the CPU test device)
+    non_expert_on: str = "device"  # where the measured passes ran the layers' non-expert weights
+    copy_blocks_device: bool = False  # the device computes and receives copies on the same thread(s)
+    measured_with: str = ""
+    measured_at: str = ""
+    check: dict = field(default_factory=dict)
+
+    def expert_rate(self, side: str, quant: str) -> tuple[tuple, tuple]:
+        """((tokens...), (s_per_byte...)) of `quant` experts on "host" or "device"; a type that was
+        not measured takes the rate of the measured type with the closest bits per weight."""
+        rates = self.host if side == "host" else self.device_rates
+        if quant in rates:
+            return tuple(rates[quant])
+        bpw = BITS_PER_WEIGHT.get(quant, 16.0)
+        near = min(rates, key=lambda q: abs(BITS_PER_WEIGHT.get(q, 16.0) - bpw))
+        return tuple(rates[near])
+
+
+def read_measured(path: str | Path) -> MeasuredProfile:
+    """Load a measured profile; ValueError says what is wrong with the file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a measured profile ({e})") from None
+    p = data.get("profile", {})
+    if p.get("format") != MEASURED_FORMAT:
+        raise ValueError(f"{path}: not a {MEASURED_FORMAT} file (no [profile] format = \"{MEASURED_FORMAT}\")")
+    if p.get("version") != MEASURED_VERSION:
+        raise ValueError(f"{path}: version {p.get('version')}, this reader knows {MEASURED_VERSION}")
+    try:
+        def rates(side):
+            out = {q: (tuple(int(n) for n in v["tokens"]), tuple(float(x) for x in v["s_per_byte"]))
+                   for q, v in data[side].items()}
+            if not out:
+                raise ValueError(f"[{side}] has no weight type")
+            for q, (n, x) in out.items():
+                if not n or len(n) != len(x) or list(n) != sorted(set(n)) or n[0] < 1:
+                    raise ValueError(f"[{side}.{q}]: tokens must be increasing from 1 or more, one s_per_byte each")
+            return out
+
+        prof = MeasuredProfile(
+            key=str(path), name=p["name"], cpu=p.get("cpu", ""), device=p["device"],
+            host_threads=int(p.get("host_threads", 0)), vram_GB=float(p["vram_GB"]),
+            host=rates("host"), device_rates=rates("device"),
+            copy_bytes_per_s=float(data["copy"]["bytes_per_s"]), copy_latency_s=float(data["copy"]["latency_s"]),
+            crossing_s=float(data["crossing"]["s"]),
+            non_expert_s_per_byte=float(data["non_expert"]["s_per_byte"]),
+            non_expert_s_per_byte_token=float(data["non_expert"]["s_per_byte_token"]),
+            draft_s_per_byte=float(data["draft"]["s_per_byte"]),
+            draft_s_per_token=float(data["draft"].get("s_per_token", 0.0)),
+            draft_file=str(data["draft"].get("file", "")), zero_slot=bool(p.get("zero_slot", True)),
+            overlap=bool(p.get("overlap", True)), non_expert_on=str(p.get("non_expert_on", "device")),
+            copy_blocks_device=bool(p.get("copy_blocks_device", False)),
+            measured_with=str(p.get("measured_with", "")), measured_at=str(p.get("measured_at", "")),
+            check=dict(data.get("check", {})))
+    except KeyError as e:
+        raise ValueError(f"{path}: missing {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    for name, v in (("copy.bytes_per_s", prof.copy_bytes_per_s), ("crossing.s", prof.crossing_s + 1)):
+        if not v > 0:
+            raise ValueError(f"{path}: {name} must be positive")
+    return prof
+
+
+def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -> Path:
+    """Write `prof` as TOML (the format `read_measured` loads)."""
+    def num(x) -> str:
+        return repr(float(x))
+
+    def text(x) -> str:
+        return '"' + str(x).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = [f"# {line}" for line in comment.splitlines()] + [
+        "[profile]", f"format = {text(MEASURED_FORMAT)}", f"version = {MEASURED_VERSION}", f"name = {text(prof.name)}",
+        f"cpu = {text(prof.cpu)}", f"device = {text(prof.device)}", f"host_threads = {prof.host_threads}",
+        f"vram_GB = {num(prof.vram_GB)}", f"zero_slot = {'true' if prof.zero_slot else 'false'}",
+        f"overlap = {'true' if prof.overlap else 'false'}", f"non_expert_on = {text(prof.non_expert_on)}",
+        f"copy_blocks_device = {'true' if prof.copy_blocks_device else 'false'}",
+        f"measured_with = {text(prof.measured_with)}", f"measured_at = {text(prof.measured_at)}", ""]
+    for side, rates in (("host", prof.host), ("device", prof.device_rates)):
+        for q, (n, x) in rates.items():
+            lines += [f"[{side}.{q}]   # one expert's matmuls with this many tokens: bytes × s_per_byte (linear between)",
+                      f"tokens = [{', '.join(str(int(v)) for v in n)}]",
+                      f"s_per_byte = [{', '.join(num(v) for v in x)}]", ""]
+    lines += ["[copy]   # one expert host → device: latency_s + bytes / bytes_per_s",
+              f"bytes_per_s = {num(prof.copy_bytes_per_s)}", f"latency_s = {num(prof.copy_latency_s)}", "",
+              "[crossing]   # per split MoE layer and pass: hidden state to the host and the host half's output back",
+              f"s = {num(prof.crossing_s)}", "",
+              "[non_expert]   # a pass outside the routed experts (profile.non_expert_on): non-expert bytes × (a + tokens × b)",
+              f"s_per_byte = {num(prof.non_expert_s_per_byte)}",
+              f"s_per_byte_token = {num(prof.non_expert_s_per_byte_token)}", "",
+              "[draft]   # one draft token on the host: s_per_token for this file, else its bytes × s_per_byte",
+              f"file = {text(prof.draft_file)}", f"s_per_token = {num(prof.draft_s_per_token)}",
+              f"s_per_byte = {num(prof.draft_s_per_byte)}", ""]
+    if prof.check:
+        lines += ["[check]   # a split pass at measurement: predicted from the rates above vs timed"]
+        lines += [f"{k} = {num(v)}" for k, v in prof.check.items()] + [""]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+def is_measured(hardware_key: str) -> bool:
+    """A --hardware value naming a measured profile file rather than a datasheet profile."""
+    return hardware_key.endswith(".toml")
 
 
 def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:

@@ -4,17 +4,25 @@ One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
 
     drafting   γ draft tokens on the device; the copy engine runs meanwhile, serving the plan
                the policy made after the previous pass (one PCIe link, copies back to back)
-    verify     the dense blocks and output head, then per MoE layer in order:
+    verify     the dense blocks and output head, then per MoE layer in order (non-expert times
+               grow with the pass's tokens where the profile is measured):
                  dense part of the block
                  device half: every needed expert that is on the device, one call per
                    distinct expert (time by its token count)
                  host half: the other needed experts, per (token, expert) — in parallel with
                    the device half, plus one hidden-state round trip (sync) when non-empty
+                   (measured profiles: in every layer, as the engine's split graph crosses in
+                   every layer; and the device also multiplies the host experts' tokens by its
+                   all-zero slot, one expert's worth)
                  layer time = max(device half, host half + sync)
                With miss mode "fetch" the layer instead copies each missing expert on demand
                and computes it on the device when it arrives; "greedy" splits the missing
                experts between a copy and the host (HybriMoE), see `_greedy`.
     plan       the policy sees the pass (on_layer, layer by layer; plan at the end)
+
+A new plan replaces the copy queue, as in the engine: copies not started by then are dropped. A
+device whose copies run on its compute thread (an RPC server: `copy_blocks_device`) interleaves
+them with a pass: a pass lasts at least its device work plus the copy in flight (stall).
 
 An expert counts as on the device for a layer when its slot was claimed before the pass and
 its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
@@ -54,7 +62,12 @@ class SimConfig:
     context: int = 4096              # tokens of KV cache counted in the memory budget
 
     def costs(self) -> CostModel:
+        """hardware: a datasheet profile's key, or a measured profile's file (`spac sim profile measure`)."""
         draft = None if self.draft is None else profiles.model(self.draft)
+        if profiles.is_measured(self.hardware):
+            return CostModel.from_measured(profiles.read_measured(self.hardware), profiles.model(self.model), draft,
+                                           self.quant, self.draft_quant, self.context,
+                                           draft_file=draft.source if draft is not None else None)
         return CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
                                self.quant, self.draft_quant, self.context)
 
@@ -105,7 +118,9 @@ class Pool:
         self.costs = costs
         self.allocated = np.zeros((n_layer, n_expert), dtype=bool)
         self.ready_at = np.full((n_layer, n_expert), np.inf)
+        self.started_at = np.full((n_layer, n_expert), np.inf)  # when its copy takes the link
         self.link_free_at = 0.0
+        self.link_slowdown = 1.0  # > 1 while copies get only the idle time of a device's one thread
         self.n_allocated = 0
         self.prefetch_bytes = 0.0
         self.fetch_bytes = 0.0
@@ -119,7 +134,8 @@ class Pool:
         if free:
             done = earliest
         else:
-            done = max(earliest, self.link_free_at) + self.costs.transfer_s
+            self.started_at[layer, expert] = max(earliest, self.link_free_at)
+            done = self.started_at[layer, expert] + self.costs.transfer_s * self.link_slowdown
             self.link_free_at = done
             if in_pass:
                 self.fetch_bytes += self.costs.expert_bytes
@@ -134,14 +150,31 @@ class Pool:
         assert self.allocated[layer, expert]
         self.allocated[layer, expert] = False
         self.ready_at[layer, expert] = np.inf
+        self.started_at[layer, expert] = np.inf
         self.n_allocated -= 1
+
+    def cancel_queued(self, now: float) -> None:
+        """A new plan replaces the copy queue (the native worker rebuilds it from the newest plan):
+        copies that have not started by `now` are dropped and their slots given back."""
+        queued = self.allocated & (self.started_at > now) & np.isfinite(self.started_at)
+        if not queued.any():
+            return
+        for layer, expert in np.argwhere(queued):
+            self.evict(int(layer), int(expert))
+        self.prefetch_bytes -= int(queued.sum()) * self.costs.expert_bytes
+        running = self.allocated & (self.ready_at > now) & np.isfinite(self.ready_at)
+        self.link_free_at = max(now, float(self.ready_at[running].max()) if running.any() else now)
 
     def apply(self, plan: Plan, now: float, free: bool = False, evicts: bool = True) -> None:
         """Apply a plan the way the native copy engine does (llama-expert-pool.cpp, set_plan and
         pick_slot): serve the prefetch queue in order; each request takes a free slot, else the
         resident expert first in (position in plan.evict, wanted, utility, layer, expert) order,
         but an expert the plan still wants and did not list goes only for a request of higher
-        utility; a request that gets no slot is skipped. evicts=False: the engine's no_evict."""
+        utility; a request that gets no slot is skipped. evicts=False: the engine's no_evict.
+        Copies of an earlier plan that have not started yet are dropped first, as the engine's
+        worker rebuilds its queue from the newest plan."""
+        if not free:
+            self.cancel_queued(now)
         wanted = plan.wanted()
         utility = plan.utility.astype(np.int64)
         prefetch = plan.prefetch if plan.prefetch is not None else order_rows(-utility, wanted & ~self.allocated)
@@ -191,7 +224,7 @@ class Simulator:
         """What a warm-up calibration would measure before the first step: every expert on the host."""
         c, t = self.costs, self.trace
         tokens = (int(t.n_drafted.max()) if t.n_steps else 0) + 1
-        layer = c.dense_layer_s + tokens * t.top_k * float(c.cpu_expert_s(1))
+        layer = c.dense_layer_time(tokens) + tokens * t.top_k * float(c.cpu_expert_s(1))
         return Feedback(
             t_cpu_unit=float(c.cpu_expert_s(1)), t_gpu_unit=float(c.gpu_expert_s(tokens)),
             t_io_unit=c.transfer_s, t_draft_token=c.draft_token_s,
@@ -231,7 +264,20 @@ class Simulator:
             if policy.wait_for_prefetch and pool.link_free_at > verify_start:
                 stall_total += pool.link_free_at - verify_start
                 verify_start = pool.link_free_at
+            # a device whose copies run on its compute thread interleaves them with the pass's
+            # work: they fill its idle time, and a new plan drops what has not started, so a pass
+            # waits at most for the copy in flight when its device work needs the thread
+            backlog = min(max(pool.link_free_at - verify_start, 0.0), c.transfer_s)
             now, layer_time, stats = self._verify(policy, pool, routing, verify_start, acc)
+            if c.copy_blocks_device and verify_start + stats["device_busy"] + backlog > now:
+                stall_total += verify_start + stats["device_busy"] + backlog - now
+                now = verify_start + stats["device_busy"] + backlog
+            if c.copy_blocks_device:
+                # the next copies run in the device's idle time: without drafting in between (γ = 0)
+                # that is the share of a pass the device is idle
+                length = now - verify_start
+                idle = max(length - stats["device_busy"], 0.05 * length)
+                pool.link_slowdown = length / idle if routing.n_drafted == 0 else 1.0
             draft_total += draft_s
             step_time[s] = now - start
             feedback = Feedback(
@@ -260,13 +306,17 @@ class Simulator:
         counts, weights = layer_usage(routing, self.trace.n_expert)
         n_layer = counts.shape[0]
         layer_time = np.zeros(n_layer)
-        stats = dict(cpu_s=0.0, cpu_tokens=0, gpu_s=0.0, gpu_experts=0)
+        stats = dict(cpu_s=0.0, cpu_tokens=0, gpu_s=0.0, gpu_experts=0, device_busy=0.0)
         at_start = pool.allocated.copy()
         evicted = np.zeros_like(pool.allocated)  # evicted by an in-pass copy
-        t = start + c.fixed_pass_s
+        n_tokens = routing.n_drafted + 1
+        t = start + c.fixed_pass_time(n_tokens)
+        dense_on_device = not c.sync_on_device  # where the non-expert part runs (measured profiles)
+        if dense_on_device:
+            stats["device_busy"] += c.fixed_pass_time(n_tokens) + n_layer * c.dense_layer_time(n_tokens)
         for layer in range(n_layer):
             t_layer = t
-            t += c.dense_layer_s
+            t += c.dense_layer_time(n_tokens)
             n = counts[layer]
             need = n > 0
             policy.on_layer(layer, n, weights[layer])  # the router has run: the layer's experts are in use
@@ -292,12 +342,19 @@ class Simulator:
                 else:
                     host_experts, end_device = fetcher.greedy(n, end_device)
             host = float(c.cpu_expert_s(n[host_experts]).sum())
+            n_host = int(n[host_experts].sum())
+            if c.zero_slot and n_host:  # the device multiplies the absent experts' tokens by the zero slot
+                end_device += float(c.gpu_expert_s(n_host))
+            stats["device_busy"] += end_device - t
             stats["cpu_s"] += host
-            stats["cpu_tokens"] += int(n[host_experts].sum())
-            acc["cpu"] += int(n[host_experts].sum())
-            acc["fetched"] += int(n[miss].sum() - n[host_experts].sum())
-            end_host = t + host + (c.sync_s if len(host_experts) else 0.0)
-            t = max(end_device, end_host)
+            stats["cpu_tokens"] += n_host
+            acc["cpu"] += n_host
+            acc["fetched"] += int(n[miss].sum() - n_host)
+            sync = c.sync_s if len(host_experts) or c.sync_every_layer else 0.0
+            serial = min(c.sync_serial_s, sync)  # both halves wait for it
+            end_host = t + host + (0.0 if c.sync_on_device else sync)
+            end_device += serial + (sync - serial if c.sync_on_device else 0.0)
+            t = max(end_device, end_host) if c.overlap else end_device + (end_host - t)
             layer_time[layer] = t - t_layer
         return t, layer_time, stats
 

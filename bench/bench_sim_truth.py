@@ -1,0 +1,380 @@
+"""The simulator held against the engine: predicted and measured tok/s side by side, in one run.
+
+    python bench/bench_sim_truth.py [-m runs/mb/olmoe-bytes-f16.gguf] [-md DRAFT] [-n 64] [--prompts 3]
+                                    [--json rows.json] [--profile FILE]
+
+1. Profile: `spac sim profile measure` of this machine, on the target's own file: the host with
+   1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
+   the draft's tokens on the host (orchestrator/profile_measure.py). --profile FILE reuses one.
+2. Live: the target (default: the memory-bound target of scripts/make_memory_bound_target.py,
+   written to runs/mb/ if missing) with the shipped Q4_0 self-draft, every layer's non-expert
+   weights on the RPC device (-ngl 99) and the expert pool on it, greedy, the same prompts for
+   every row; rows = pool budget 25% and 50% × static placement (llama.cpp's --n-cpu-moe) and
+   spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive. Each
+   row records its routing trace (`orchestrator.record`'s writer on the session) and its decode
+   tok/s (prefill excluded), summed over the prompts.
+3. Predicted: each row's trace replayed by the simulator with the measured profile, the same
+   policy class and the engine's slot count; the trace carries the γ and acceptance of every
+   step, so only the cost model is under test.
+
+4. The overlap bench's rows (bench_overlap.py's setting: all-host, serial, overlapped, each half
+   alone), timed and predicted from a profile measured on that file in that layout.
+
+--keep DIR saves the profile, the traces and the live numbers; --replay DIR predicts them again
+with the current cost model (no live run): how a change to the model is held against the same
+measurements.
+
+Printed: a table of predicted and measured tok/s with the error of each row (and the share of
+expert work on the device and the expert copies, measured and simulated), whether the ranking
+of the configurations agrees (every pair of rows that differ in one factor: budget, policy,
+speculation, ordered the same way by prediction and measurement), the machine load and the
+command. --json FILE writes the rows as a list of objects ("row", "predicted_tok_s",
+"measured_tok_s", "error", ...).
+
+The sessions run one after the other (each holds its pool on the RPC server: 8 at once would
+not fit); the machine's other load is reported, as in bench_live.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator.models import MODELS_DIR  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
+           "for i in range(10):", "def read_file(path):\n    with open(path) as f:"]
+WARM_UP = "def main():\n    "
+DEFAULT_TARGET = ROOT / "runs" / "mb" / "olmoe-bytes-f16.gguf"
+DEFAULT_DRAFT = MODELS_DIR / "spac-tiny-moe-q4_0.gguf"
+BUDGETS = (0.25, 0.5)
+POLICIES = {"static": "static", "spac": "spac/host"}  # live name → the simulator's policy of the same class
+
+
+@dataclass
+class Row:
+    budget: float
+    policy: str        # "static" | "spac"
+    speculative: bool
+    tokens: int = 0
+    seconds: float = 0.0
+    n_slots: int = 0
+    trace: object = None
+    texts: list = field(default_factory=list)
+    device_tokens: int = 0   # expert-token pairs the live engine computed on the device
+    host_tokens: int = 0
+    copies: int = 0
+    predicted: float = float("nan")
+    sim: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.budget:.0%} {self.policy} {'+ speculative' if self.speculative else 'autoregressive'}"
+
+    @property
+    def measured_hit(self) -> float:
+        n = self.device_tokens + self.host_tokens
+        return self.device_tokens / n if n else float("nan")
+
+    @property
+    def measured(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+def machine_cpu_seconds() -> float:
+    with open("/proc/stat") as f:
+        fields_ = f.readline().split()[1:]
+    return sum(int(x) for i, x in enumerate(fields_) if i not in (3, 4)) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path) -> None:
+    """One configuration: open, warm up, generate every prompt greedily, record the trace."""
+    from orchestrator.policies.default import LookaheadUtility
+    from orchestrator.policies.static import StaticPlacement
+    from orchestrator.sampling import SamplingParams
+    from orchestrator.sim.trace import TraceWriter
+    from orchestrator.speculative import Session, SessionConfig
+
+    cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
+                        n_ctx=args.ctx_size, n_threads=1, n_gpu_layers=-1, engine=True, device=device,
+                        budget_ratio=row.budget, calibration_cache=cache)
+    policy = StaticPlacement() if row.policy == "static" else LookaheadUtility(miss="cpu")  # the session's default
+    with Session(cfg, policy=policy) as s:
+        s.complete(WARM_UP, max_tokens=16)
+        eng = s.engine
+        row.n_slots = int(eng.stats()["n_slots"])
+        writer = TraceWriter(Path(cache).with_suffix(f".{row.policy}-{row.budget}-{row.speculative}.npz"),
+                             n_layer=eng.n_moe_layers, n_expert=eng.n_expert, top_k=eng.n_expert_used,
+                             model=target.stem, meta={"gguf": str(target), "draft_gguf": str(draft) if row.speculative else None})
+        s.on_step = lambda step: writer.append(step, s.last_draft_routing)
+        for prompt in PROMPTS[:args.prompts]:
+            s.reset()
+            c = s.complete(prompt, max_tokens=args.n, sampling=SamplingParams(temperature=0.0))
+            row.tokens += c.metrics.n_tokens
+            row.seconds += c.metrics.decode_s
+            row.device_tokens += c.metrics.n_expert_tokens_device
+            row.host_tokens += c.metrics.n_expert_tokens_cpu
+            row.copies += c.metrics.n_copies
+            row.texts.append(c.text)
+        row.trace = writer.to_trace()
+
+
+def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
+    """Replay the row's trace with the measured profile, the same policy and slot count."""
+    from orchestrator.policies import make_policy
+    from orchestrator.sim import profiles
+    from orchestrator.sim.simulator import SimConfig, Simulator
+
+    tprof, quant = profiles.from_gguf(target)
+    dkey, dquant = None, "Q8_0"
+    if row.speculative:
+        dprof, dquant = profiles.from_gguf(draft, draft=True)
+        dkey = profiles.register(dprof)
+    config = SimConfig(hardware=str(profile), model=profiles.register(tprof), draft=dkey, quant=quant,
+                       draft_quant=dquant, capacity=row.n_slots)
+    sim = Simulator(row.trace, config)
+    r = sim.run(make_policy(POLICIES[row.policy]))
+    row.predicted = r.tokens_per_s
+    row.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "ms_per_step": 1e3 * r.time_s / max(r.n_steps, 1),
+               "copies": round(r.bytes_moved / sim.costs.expert_bytes)}
+
+
+def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
+    """bench_overlap.py's rows (synthetic OLMoE layers, Q4_0, non-expert weights on the host, a
+    verify pass of 9 tokens, τ giving the device about half the activations), timed, and
+    predicted from a profile measured on the same file in that layout."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_overlap as bo
+
+    from orchestrator.llm import Model
+    from orchestrator.profile_measure import measure
+    from orchestrator.sim import profiles
+    from orchestrator.synthetic_models import PRESETS
+
+    cfg = PRESETS["olmoe-1b-7b"]
+    path = bo.synthetic_layers(tmp, "olmoe-1b-7b", 4)
+    prof = measure(path, device, 1, layers_on_device=False, repack="off", skip_absent=True,
+                   progress=lambda s: print(f"  overlap profile: {s}", file=sys.stderr, flush=True))
+    model = Model(path, repack="off")
+    try:
+        freq = bo.routing_freq(model, 1, cfg.n_expert, cfg.n_expert_used)
+        utility = bo.utility_from_share(freq)
+        n_layer = freq.shape[0]
+        half = np.full(n_layer, bo.HALF)
+        slot_bytes = 3 * cfg.n_ff_exp * cfg.n_embd // 32 * 18
+
+        def make(name, tau, **kw):
+            return bo.Config(name, model, path, device, utility, tau, slot_bytes, 1, **kw)
+
+        configs = [make("all-host", None), make("serial (per-matmul graph)", half, split_graph="per-matmul"),
+                   make("overlapped", half), make("host half alone", half, only_half="host"),
+                   make("device half alone", half, only_half="device")]
+        try:
+            bo.rotate(configs, repeats)
+            measured = {c.name: c.median_ms() / 1e3 for c in configs}
+        finally:
+            for c in configs:
+                c.close()
+    finally:
+        model.close()
+    tprof, quant = profiles.from_gguf(path)
+    costs = profiles.CostModel.from_measured(prof, tprof, quant=quant)
+    n = len(bo.VERIFY)
+    resident = utility >= half[:, None]
+    used = freq > 0
+    ne = costs.fixed_pass_time(n) + n_layer * costs.dense_layer_time(n)
+    dev = np.array([costs.gpu_expert_s(freq[m][used[m] & resident[m]]).sum() for m in range(n_layer)])
+    host = np.array([costs.cpu_expert_s(freq[m][used[m] & ~resident[m]]).sum() for m in range(n_layer)])
+    every = np.array([costs.cpu_expert_s(freq[m][used[m]]).sum() for m in range(n_layer)])
+    c = costs.sync_s
+    # the per-matmul graph crosses for each of gate/up (one input, two outputs) and down (one
+    # each way): five one-way copies, 2.5 round trips, and its halves run one after the other
+    predicted = {"all-host": ne + every.sum(), "serial (per-matmul graph)": ne + (dev + host + 2.5 * c).sum(),
+                 "overlapped": ne + np.maximum(dev + c, host).sum(), "host half alone": ne + host.sum(),
+                 "device half alone": ne + (dev + c).sum()}
+    return [{"row": f"overlap bench: {k}", "predicted_s": predicted[k], "measured_s": measured[k]} for k in measured]
+
+
+def keep(out: Path, rows: list[Row], profile: Path, overlap: list, target: Path, draft: Path) -> None:
+    """What --replay needs: the profile, each row's trace and measured numbers, the overlap rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    if Path(profile).resolve() != (out / "profile.toml").resolve():
+        (out / "profile.toml").write_text(Path(profile).read_text())
+    for i, r in enumerate(rows):
+        r.trace.save(out / f"row{i}.npz")
+    (out / "live.json").write_text(json.dumps({
+        "target": str(target), "draft": str(draft), "overlap": overlap,
+        "rows": [{"budget": r.budget, "policy": r.policy, "speculative": r.speculative, "tokens": r.tokens,
+                  "seconds": r.seconds, "n_slots": r.n_slots, "device_tokens": r.device_tokens,
+                  "host_tokens": r.host_tokens, "copies": r.copies} for r in rows]}, indent=1))
+
+
+def replay(args, command: str) -> None:
+    """Predict the kept live rows again (a changed cost model, the same measurements)."""
+    from orchestrator.sim.trace import read_trace
+
+    data = json.loads((args.replay / "live.json").read_text())
+    rows = []
+    for i, r in enumerate(data["rows"]):
+        row = Row(r["budget"], r["policy"], r["speculative"], tokens=r["tokens"], seconds=r["seconds"],
+                  n_slots=r["n_slots"], trace=read_trace(args.replay / f"row{i}.npz"),
+                  device_tokens=r.get("device_tokens", 0), host_tokens=r.get("host_tokens", 0), copies=r.get("copies", 0))
+        predict(row, args.replay / "profile.toml", Path(data["target"]), Path(data["draft"]))
+        rows.append(row)
+    from orchestrator.sim import profiles
+
+    report(rows, data["overlap"], args, command, Path(data["target"]), Path(data["draft"]),
+           profiles.read_measured(args.replay / "profile.toml"), machine=f"replayed from {args.replay}")
+
+
+def ranking_checks(rows: list[Row]) -> list[tuple[str, str, bool]]:
+    """Every pair of rows that differ in exactly one factor: (a, b, same order in both)."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            diff = (a.budget != b.budget) + (a.policy != b.policy) + (a.speculative != b.speculative)
+            if diff == 1:
+                out.append((a.name, b.name, (a.predicted > b.predicted) == (a.measured > b.measured)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("-m", "--model", type=Path, default=DEFAULT_TARGET)
+    ap.add_argument("-md", "--model-draft", type=Path, default=DEFAULT_DRAFT)
+    ap.add_argument("-n", type=int, default=64, help="tokens per prompt")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("-c", "--ctx-size", type=int, default=512)
+    ap.add_argument("--profile", type=Path, help="reuse this measured profile instead of measuring one")
+    ap.add_argument("--keep-profile", type=Path, help="also keep the measured profile here")
+    ap.add_argument("--json", type=Path, help="also write the rows here (a JSON list of objects)")
+    ap.add_argument("--no-overlap", action="store_true", help="leave out the overlap bench's rows")
+    ap.add_argument("--no-live", action="store_true", help="leave out the live rows (the overlap rows only)")
+    ap.add_argument("--overlap-repeats", type=int, default=7)
+    ap.add_argument("--keep", type=Path, help="keep the profile, the traces and the live results in this directory")
+    ap.add_argument("--replay", type=Path, help="predict again from a --keep directory (no live run, no measurement)")
+    args = ap.parse_args()
+
+    target, draft = args.model, args.model_draft
+    if not target.exists():
+        print(f"writing the memory-bound target {target} (once)", file=sys.stderr)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_memory_bound_target.py"), str(target)], check=True)
+
+    from orchestrator.native import rpc_device
+    from orchestrator.profile_measure import cpu_name, measure, measure_to_file  # noqa: F401
+    from orchestrator.sim import profiles
+
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    load0 = os.getloadavg()
+    cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    rows = [] if args.no_live else [Row(b, p, spec) for b in BUDGETS for p in POLICIES for spec in (True, False)]
+    overlap = []
+    if args.replay:
+        return replay(args, command)
+    with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:  # noqa: SIM117
+        tmp = Path(tmp)
+        profile = args.profile
+        if not args.no_overlap:
+            overlap = overlap_rows(device, tmp, args.overlap_repeats)
+        if profile is None and rows:
+            profile = args.keep_profile or tmp / "profile.toml"
+            t = time.monotonic()
+            prof = measure(target, device, 1, draft, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
+                                                                                 flush=True))
+            profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
+            print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
+        for row in rows:
+            t = time.monotonic()
+            run_live(row, target, draft, device, args, tmp / "calibration.json")
+            print(f"  live {row.name}: {row.measured:.2f} tok/s ({time.monotonic() - t:.0f} s)", file=sys.stderr,
+                  flush=True)
+        if args.keep:
+            keep(args.keep, rows, profile, overlap, target, draft)
+        wall = time.monotonic() - t0
+        load1 = os.getloadavg()
+        cpu1, own_before = machine_cpu_seconds(), own_cpu_seconds()
+        for row in rows:
+            predict(row, profile, target, draft)
+        predicting = own_cpu_seconds() - own_before
+        prof = profiles.read_measured(profile) if rows else None
+    # after the RPC server has exited: its CPU time is then counted as ours (a waited-for child)
+    other = (cpu1 - cpu0) - (own_cpu_seconds() - own0 - predicting)
+
+    n_cpu = os.cpu_count() or 1
+    report(rows, overlap, args, command, target, draft, prof,
+           machine=f"{cpu_name()}, {n_cpu} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; "
+                   f"other processes used {max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run")
+
+
+def report(rows: list[Row], overlap: list, args, command: str, target: Path, draft: Path, prof, machine: str) -> None:
+    """The tables, the checks, the machine line and the command; --json."""
+    if overlap:
+        print("overlap bench (bench/bench_overlap.py's setting: 4 synthetic OLMoE-1B-7B layers, Q4_0, one verify "
+              "pass of 9 tokens, τ = 5; profile measured on that file with its layers on the host)")
+        print("| row | measured ms | predicted ms | error |")
+        print("|---|---|---|---|")
+        for o in overlap:
+            print(f"| {o['row'].split(': ')[1]} | {1e3 * o['measured_s']:.1f} | {1e3 * o['predicted_s']:.1f} | "
+                  f"{100 * (o['predicted_s'] / o['measured_s'] - 1):+.1f}% |")
+    if not rows:
+        print(f"machine: {machine}")
+        print(f"command: {command}")
+        return
+    print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; host 1 thread, "
+          f"RPC device 1 thread on 127.0.0.1; profile {prof.name} measured on {prof.measured_with}")
+    print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit measured / simulated | "
+          "copies measured / simulated |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        err = r.predicted / r.measured - 1
+        print(f"| {r.name} | {r.n_slots} | {r.measured:.2f} | {r.predicted:.2f} | {100 * err:+.1f}% | "
+              f"{r.sim['steps']} | {r.measured_hit:.2f} / {r.sim['hit']:.2f} | {r.copies} / {r.sim['copies']} |")
+    errors = [abs(r.predicted / r.measured - 1) for r in rows]
+    checks = ranking_checks(rows)
+    by_meas = [r.name for r in sorted(rows, key=lambda r: -r.measured)]
+    by_pred = [r.name for r in sorted(rows, key=lambda r: -r.predicted)]
+    print(f"largest error {100 * max(errors):.1f}%, mean |error| {100 * sum(errors) / len(errors):.1f}%; "
+          f"{sum(c for *_, c in checks)}/{len(checks)} one-factor pairs ordered alike; full order "
+          f"{'identical' if by_meas == by_pred else 'differs'}")
+    for a, b, ok in checks:
+        if not ok:
+            print(f"  order differs: {a} vs {b}")
+    if rows[0].texts:
+        same_text = all(r.texts == rows[0].texts for r in rows)
+        print(f"outputs: {'every row identical' if same_text else 'ROWS DIFFER'}")
+    print(f"machine: {machine}")
+    print(f"command: {command}")
+    if args.json:
+        args.json.write_text(json.dumps([
+            {"row": r.name, "budget": r.budget, "policy": r.policy, "speculative": r.speculative, "slots": r.n_slots,
+             "predicted_tok_s": r.predicted, "measured_tok_s": r.measured, "error": r.predicted / r.measured - 1,
+             "tokens": r.tokens, "seconds": r.seconds, "measured_hit": r.measured_hit, "copies": r.copies,
+             **{f"sim_{k}": v for k, v in r.sim.items()}}
+            for r in rows] + [{**o, "predicted_tok_s": None, "measured_tok_s": None,
+                               "error": o["predicted_s"] / o["measured_s"] - 1} for o in overlap], indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Simulated GPU projections for the README: spac against llama.cpp's --n-cpu-moe (with and
+without speculative decoding) on the datasheet profiles of orchestrator/profiles/hardware.toml,
+at the expert-pool budget each card leaves.
+
+    .venv/bin/python bench/sim_gpu_projection.py [--steps 300] [--validation rows.json]
+
+Setting: synthetic routing traces of each model family (`spac sim families`), a per-token
+acceptance of 0.75 and the best γ of 1, 2, 4, 8 for the speculative rows (spac's governor picks
+γ live; the simulator replays a fixed one) (the draft: Qwen3-0.6B at Q8_0, dense, so
+no lookahead routing), the target at Q4_K (gpt-oss at MXFP4, its release format), 4096 tokens
+of KV cache. The pool is what the card's memory leaves after the non-expert weights, the draft,
+the KV caches and a 1 GiB margin (as `spac` places it), capped at every expert.
+- llama.cpp --n-cpu-moe: the `static` policy (whole layers on the device, the first ones' experts
+  on the host); a crossing only in the layers with host experts.
+- spac: the default policy with host compute on miss (`spac/host`, what the engine runs); the
+  engine's graph splits every MoE layer, so every layer pays the crossing, and the device
+  multiplies the host experts' tokens by its zero slot (both measured facts of the engine,
+  bench/bench_sim_truth.py).
+tok/s over the last two thirds of the steps (the pool has filled by then).
+--validation: the JSON of bench_sim_truth.py, whose error on this machine is printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from orchestrator.policies import make_policy
+from orchestrator.sim import profiles
+from orchestrator.sim.simulator import SimConfig, Simulator
+from orchestrator.sim.synthetic import family_trace
+
+CARDS = ("rtx4090", "rtx4060")
+MODELS = {"qwen3-30b-a3b": "Q4_K", "gpt-oss-20b": "MXFP4"}
+DRAFT, DRAFT_QUANT = "qwen3-0.6b", "Q8_0"
+MARGIN = 1 << 30
+GAMMAS = (1, 2, 4, 8)
+
+
+def capacity(config: SimConfig) -> int:
+    c = config.costs()
+    m = profiles.model(config.model)
+    n_all = m.n_layer * m.n_expert
+    free = c.vram_bytes - c.static_bytes - MARGIN
+    return max(0, min(n_all, int(math.floor(free / c.expert_bytes))))
+
+
+def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, steps: int, seed: int) -> dict:
+    """The row at its best γ (as the governor picks γ live): γ = 0, or the best of 1, 2, 4, 8."""
+    gammas = GAMMAS if speculative else (0,)
+    return max((row(card, model, quant, g, policy, steps, seed) for g in gammas), key=lambda r: r["tok_s"])
+
+
+def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, seed: int) -> dict:
+    speculative = gamma > 0
+    trace = family_trace(model, steps, gamma=gamma, acceptance=0.75, draft_fidelity=None, seed=seed)
+    config = SimConfig(hardware=card, model=model, draft=DRAFT if speculative else None, quant=quant,
+                       draft_quant=DRAFT_QUANT)
+    config = replace(config, capacity=capacity(config))
+    costs = config.costs()
+    if policy != "static":  # spac's engine: a crossing in every split layer, the zero slot on the device
+        costs = replace(costs, sync_every_layer=True, zero_slot=True)
+    r = Simulator(trace, config, costs=costs).run(make_policy(policy))
+    warm = steps // 3  # steady state: the pool fills at the link's pace first (spac paces its copies)
+    tok_s = float((trace.n_accepted[warm:] + 1).sum() / r.step_time[warm:].sum())
+    n_all = profiles.model(model).n_layer * profiles.model(model).n_expert
+    return {"slots": config.capacity, "share": config.capacity / n_all, "tok_s": tok_s, "gamma": gamma}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--validation", type=Path, help="bench_sim_truth.py --json output")
+    args = ap.parse_args()
+
+    note = ""
+    if args.validation:
+        rows = [r for r in json.loads(args.validation.read_text()) if r.get("measured_tok_s")]
+        def worst(spec: bool) -> float:
+            return max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows if r["speculative"] == spec)
+
+        note = f"≤ {100 * worst(False):.0f}% / ≤ {100 * worst(True):.0f}%"
+    print("| card | model | pool (experts) | llama.cpp --n-cpu-moe | + speculative | spac | spac + speculative |"
+          " spac + spec. ÷ llama.cpp + spec. | validation error (autoregressive / speculative) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for card in CARDS:
+        for model, quant in MODELS.items():
+            cells = {(p, s): best_row(card, model, quant, s, p, args.steps, args.seed)
+                     for p in ("static", "spac/host") for s in (False, True)}
+            ar, spec = cells[("static", False)], cells[("static", True)]
+            pool = f"{ar['share']:.0%} / {spec['share']:.0%} with the draft"
+            print(f"| {profiles.hardware(card).name.split(' + ')[0]} | {profiles.model(model).name} {quant} | {pool} | "
+                  f"{ar['tok_s']:.1f} | {spec['tok_s']:.1f} (γ {spec['gamma']}) | "
+                  f"{cells[('spac/host', False)]['tok_s']:.1f} | "
+                  f"{cells[('spac/host', True)]['tok_s']:.1f} (γ {cells[('spac/host', True)]['gamma']}) | "
+                  f"{cells[('spac/host', True)]['tok_s'] / spec['tok_s']:.2f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()
