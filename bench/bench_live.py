@@ -46,7 +46,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from build_native import stock_program  # noqa: E402,F401  (bench_cpu imports it from here too)
 from orchestrator.cli import default_models  # noqa: E402
 from orchestrator.sampling import SamplingParams  # noqa: E402
 from orchestrator.speculative import Session, SessionConfig  # noqa: E402
@@ -133,14 +135,6 @@ def llama_row(exe: Path, target: Path, draft: Path, gamma: int, threads: int, n_
             return n_tok, secs, text, int(d.group(1)) if d else 0, int(d.group(2)) if d else 0, 0
         return run, lambda: None
     return Row(f"llama.cpp {exe.name}", str(gamma), open_, prefix_ok=True)
-
-
-def stock_program(name: str) -> Path:
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_native.py"), "--stock"],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"stock build failed:\n{res.stderr[-3000:]}")
-    return Path(res.stdout.strip().splitlines()[-1]).parent / name
 
 
 # ------------------------------------------------------------------------------ RPC rows

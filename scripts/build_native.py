@@ -349,6 +349,16 @@ def _extract(sdist: Path, sha: str, tree: Path) -> None:
 STOCK_TARGETS = ("llama-simple", "llama-speculative-simple", "llama-bench", "llama-quantize")
 
 
+def stock_program(name: str) -> Path:
+    """The path of one of STOCK_TARGETS, built first where needed by `build_native.py --stock` in
+    a process of its own (the build's output stays out of the caller's); for the benchmarks,
+    scripts and tests that run stock llama.cpp beside spac."""
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--stock"], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"the stock build failed:\n{res.stderr[-3000:]}")
+    return Path(res.stdout.strip().splitlines()[-1]).parent / name
+
+
 def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
     """Build upstream's STOCK_TARGETS from the pinned sdist with no patch applied: the proof
     that the GGUF files spac writes load in stock llama.cpp, and the peers spac's benchmarks

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from build_native import stock_program
+
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_TREE = ROOT / "vendor" / "llama-cpp-python" / "vendor" / "llama.cpp"
 DEFAULT_OUT = ROOT / "runs" / "real-files"
@@ -141,14 +143,6 @@ def cached(out_root: Path = DEFAULT_OUT, archs: list[str] | None = None) -> Path
     if manifest.exists() and set(archs or ARCHS) <= set(json.loads(manifest.read_text())["archs"]):
         return out
     return None
-
-
-def stock_bin(name: str) -> Path:
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_native.py"), "--stock"],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"the stock build failed:\n{res.stderr[-3000:]}")
-    return Path(res.stdout.strip().splitlines()[-1]).parent / name
 
 
 def train_tokenizer(out: Path, template: str, eos: str):
@@ -296,7 +290,7 @@ def build(out_root: Path = DEFAULT_OUT, archs: list[str] | None = None) -> Path:
 
     out = out_root / cache_key()
     archs = archs or list(ARCHS)
-    quantizer = stock_bin("llama-quantize")
+    quantizer = stock_program("llama-quantize")
     done = {}
     t0 = time.monotonic()
     for arch in archs:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from build_native import stock_program
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, read_config, write_gguf
 from orchestrator.models import MODELS_DIR, load_llama
 from orchestrator.synthetic_models import PRESETS, synthetic_tensors
@@ -28,10 +29,7 @@ SHIPPED = sorted(p.name for p in MODELS_DIR.glob("*.gguf"))
 
 @pytest.fixture(scope="module")
 def llama_simple() -> Path:
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_native.py"), "--stock"],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return Path(res.stdout.strip().splitlines()[-1])
+    return stock_program("llama-simple")
 
 
 def stock_text(exe: Path, model: Path) -> bytes:

@@ -42,6 +42,7 @@ import pytest
 from conftest import LLAMA_CPP_TREE, ROOT, compile_native
 
 import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
+from build_native import stock_program  # noqa: E402
 
 from orchestrator.llm import Context, Model  # noqa: E402
 from orchestrator.native import NativeError  # noqa: E402
@@ -96,7 +97,7 @@ def files() -> Path:
 
 @pytest.fixture(scope="module")
 def llama_simple() -> Path:
-    return mrf.stock_bin("llama-simple")
+    return stock_program("llama-simple")
 
 
 @dataclass
