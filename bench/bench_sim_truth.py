@@ -6,6 +6,8 @@
 1. Profile: `spac sim profile measure` of this machine, on the target's own file: the host with
    1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
    the draft's tokens on the host (orchestrator/profile_measure.py). --profile FILE reuses one.
+   --device CUDA0 -t 8 measures a real GPU instead, with that many host threads (README: "Checked
+   on a GPU"; bench/gpu_checks.sh truth runs it).
 2. Live: the target (default: the memory-bound target of scripts/make_memory_bound_target.py,
    written to runs/mb/ if missing) with the shipped Q4_0 self-draft, every layer's non-expert
    weights on the RPC device (-ngl 99) and the expert pool on it, greedy, the same prompts for
@@ -38,6 +40,7 @@ not fit); the machine's other load is reported, as in bench_live.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -114,7 +117,7 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     from orchestrator.speculative import Session, SessionConfig
 
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
-                        n_ctx=args.ctx_size, n_threads=1, n_gpu_layers=-1, engine=True, device=device,
+                        n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, engine=True, device=device,
                         budget_ratio=row.budget, calibration_cache=cache)
     policy = StaticPlacement() if row.policy == "static" else LookaheadUtility(miss="cpu")  # the session's default
     with Session(cfg, policy=policy) as s:
@@ -226,7 +229,7 @@ def keep(out: Path, rows: list[Row], profile: Path, overlap: list, target: Path,
         "target": str(target), "draft": str(draft), "overlap": overlap,
         "rows": [{"budget": r.budget, "policy": r.policy, "speculative": r.speculative, "tokens": r.tokens,
                   "seconds": r.seconds, "n_slots": r.n_slots, "device_tokens": r.device_tokens,
-                  "host_tokens": r.host_tokens, "copies": r.copies} for r in rows]}, indent=1))
+                  "host_tokens": r.host_tokens, "copies": r.copies, "texts": r.texts} for r in rows]}, indent=1))
 
 
 def replay(args, command: str) -> None:
@@ -275,6 +278,10 @@ def main() -> None:
     ap.add_argument("--overlap-repeats", type=int, default=7)
     ap.add_argument("--keep", type=Path, help="keep the profile, the traces and the live results in this directory")
     ap.add_argument("--replay", type=Path, help="predict again from a --keep directory (no live run, no measurement)")
+    ap.add_argument("--device", default="rpc",
+                    help="pool device: 'rpc' (an RPC server on 127.0.0.1 with 1 thread, the stand-in GPU) or a "
+                         "ggml device name such as CUDA0")
+    ap.add_argument("-t", "--threads", type=int, default=1, help="host threads (profile and live rows)")
     args = ap.parse_args()
 
     target, draft = args.model, args.model_draft
@@ -293,7 +300,8 @@ def main() -> None:
     overlap = []
     if args.replay:
         return replay(args, command)
-    with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:  # noqa: SIM117
+    pool_device = rpc_device(n_threads=1) if args.device == "rpc" else contextlib.nullcontext(args.device)
+    with tempfile.TemporaryDirectory() as tmp, pool_device as device:  # noqa: SIM117
         tmp = Path(tmp)
         profile = args.profile
         if not args.no_overlap:
@@ -301,7 +309,7 @@ def main() -> None:
         if profile is None and rows:
             profile = args.keep_profile or tmp / "profile.toml"
             t = time.monotonic()
-            prof = measure(target, device, 1, draft, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
+            prof = measure(target, device, args.threads, draft, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
                                                                                  flush=True))
             profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
             print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
@@ -342,8 +350,9 @@ def report(rows: list[Row], overlap: list, args, command: str, target: Path, dra
         print(f"machine: {machine}")
         print(f"command: {command}")
         return
-    print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; host 1 thread, "
-          f"RPC device 1 thread on 127.0.0.1; profile {prof.name} measured on {prof.measured_with}")
+    device = "RPC device 1 thread on 127.0.0.1" if args.device == "rpc" else f"device {args.device}"
+    print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; "
+          f"host {args.threads} thread(s), {device}; profile {prof.name} measured on {prof.measured_with}")
     print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit measured / simulated | "
           "copies measured / simulated |")
     print("|---|---|---|---|---|---|---|---|")
@@ -362,8 +371,14 @@ def report(rows: list[Row], overlap: list, args, command: str, target: Path, dra
         if not ok:
             print(f"  order differs: {a} vs {b}")
     if rows[0].texts:
-        same_text = all(r.texts == rows[0].texts for r in rows)
-        print(f"outputs: {'every row identical' if same_text else 'ROWS DIFFER'}")
+        differ = [r for r in rows if r.texts != rows[0].texts]
+        print(f"outputs: {'every row identical' if not differ else 'ROWS DIFFER'}")
+        for r in differ:
+            p = next(i for i, (a, b) in enumerate(zip(r.texts, rows[0].texts)) if a != b)
+            a, b = r.texts[p], rows[0].texts[p]
+            c = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            print(f"  {r.name} differs from {rows[0].name} in prompt {p} at character {c}: "
+                  f"{a[max(c - 20, 0):c + 20]!r} vs {b[max(c - 20, 0):c + 20]!r}")
     print(f"machine: {machine}")
     print(f"command: {command}")
     if args.json:

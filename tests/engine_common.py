@@ -3,6 +3,7 @@ that run in a process of their own beside an RPC server."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,21 @@ def run_sequence(ctx: Context) -> np.ndarray:
     return np.concatenate(out)
 
 
+def tensor_reader():
+    """ggml-base with what an eval callback needs to read a tensor: name, element count, data."""
+    import ctypes
+
+    from orchestrator.native import ggml_library
+
+    ggml = ggml_library("ggml-base")
+    ggml.ggml_get_name.restype = ctypes.c_char_p
+    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_nelements.restype = ctypes.c_int64
+    ggml.ggml_nelements.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    return ggml
+
+
 def run_in_own_process(test_file: str, tmp_path: Path) -> None:
     """Run `python test_file tmp_path` (its __main__ calls `rpc_main`): an RPC client in its own
     process, so a failure there cannot take the test session down. Fails with its output."""
@@ -42,8 +58,12 @@ def run_in_own_process(test_file: str, tmp_path: Path) -> None:
 
 
 def rpc_main(check) -> None:
-    """A test file's __main__: check(device, Path(argv[1])) with an RPC server on 127.0.0.1."""
+    """A test file's __main__: check(device, Path(argv[1])) with an RPC server on 127.0.0.1, or
+    on the device SPAC_TEST_DEVICE names (CUDA0 on a GPU machine: the same checks on a real GPU)."""
+    import os
+
     from orchestrator.native import rpc_device
 
-    with rpc_device() as device:
+    named = os.environ.get("SPAC_TEST_DEVICE")
+    with rpc_device() if not named else contextlib.nullcontext(named) as device:
         check(device, Path(sys.argv[1]))

@@ -6,7 +6,6 @@ so split execution must give logits bit-identical to unsplit execution, for any 
 
 from __future__ import annotations
 
-import ctypes
 import gc
 
 import numpy as np
@@ -16,11 +15,11 @@ import pytest
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
 from orchestrator.llm import Context, Model
 from orchestrator.models import MODELS_DIR
-from orchestrator.native import ExpertEngine, NativeError, Routing, ggml_library
+from orchestrator.native import ExpertEngine, NativeError, Routing
 from orchestrator.plan import Plan
 from orchestrator.synthetic_models import synthetic_tensors
 
-from engine_common import PROMPT, model_config, run_sequence
+from engine_common import PROMPT, model_config, run_sequence, tensor_reader
 
 
 K_MAX = 4
@@ -142,12 +141,7 @@ def test_routing_export_equals_eval_callback(models):
     path = models["qwen3moe", "f32"]
     from llama_cpp import llama_cpp as low
 
-    ggml = ggml_library("ggml-base")
-    ggml.ggml_get_name.restype = ctypes.c_char_p
-    ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_nelements.restype = ctypes.c_int64
-    ggml.ggml_nelements.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    ggml = tensor_reader()
     seen: dict[str, np.ndarray] = {}
 
     @low.ggml_backend_sched_eval_callback

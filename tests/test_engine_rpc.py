@@ -15,7 +15,7 @@ from orchestrator.gguf_export import make_random_model
 from orchestrator.native import graph_n_crossings, graph_n_splits
 from orchestrator.plan import Plan
 
-from engine_common import PROMPT, model_config, rpc_main, run_in_own_process, run_sequence
+from engine_common import PROMPT, model_config, rpc_main, run_in_own_process, run_sequence, tensor_reader
 
 
 def check_pool_on_rpc_device(rpc_device, tmp_path):
@@ -58,9 +58,58 @@ def check_pool_on_rpc_device(rpc_device, tmp_path):
         model.close()
 
 
+def check_device_ids_distinct(rpc_device, tmp_path):
+    """Every token's device ids are distinct, whatever is resident: CUDA's MUL_MAT_ID kernels
+    that group rows by expert (mmf, mmq) leave rows unwritten when a token names one slot twice,
+    as it did when every non-resident expert went to one zero slot (patch 0013)."""
+    from llama_cpp import llama_cpp as low
+
+    from orchestrator.llm import Context, Model
+    from orchestrator.native import ExpertEngine
+
+    ggml = tensor_reader()
+    seen = []
+
+    @low.ggml_backend_sched_eval_callback
+    def cb(tensor, ask, user_data):
+        is_ids = ggml.ggml_get_name(tensor).decode().startswith("ffn_moe_ids_dev-")
+        if ask or not is_ids:
+            return is_ids if ask else True
+        ids = np.empty(ggml.ggml_nelements(tensor), dtype=np.int32)
+        ggml.ggml_backend_tensor_get(tensor, ids.ctypes.data, 0, ids.nbytes)
+        seen.append(ids.reshape(-1, 4))  # [n_tokens, n_expert_used]
+        return True
+
+    path = make_random_model(tmp_path / "ids.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
+    model = Model(path, n_gpu_layers=99, repack="off")
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2, cb_eval=cb)
+    try:
+        with ExpertEngine(ctx.ptr, path, device=rpc_device, budget_ratio=0.25) as engine:
+            L, E = engine.n_moe_layers, engine.n_expert
+            for utility in (np.zeros((L, E), np.uint8), np.random.default_rng(1).integers(0, 5, (L, E)).astype(np.uint8)):
+                engine.set_plan(Plan(utility, np.full(L, 2, np.int32)))
+                assert engine.wait_idle(60)
+                seen.clear()
+                run_sequence(ctx)
+                assert seen
+                for ids in seen:
+                    assert all(len(set(row)) == len(row) for row in ids.tolist()), ids
+            n_slots = engine.stats()["n_slots"]
+            assert max(int(ids.max()) for ids in seen) < n_slots + 4  # the zero slots follow the pool's
+    finally:
+        ctx.close()
+        model.close()
+
+
+def check_on_rpc_device(rpc_device, tmp_path):
+    check_pool_on_rpc_device(rpc_device, tmp_path)
+    check_device_ids_distinct(rpc_device, tmp_path)
+
+
 def test_pool_on_rpc_device_matches_feature_off(tmp_path):
+    """Also: every token's device ids are distinct (check_device_ids_distinct)."""
     run_in_own_process(__file__, tmp_path)
 
 
 if __name__ == "__main__":
-    rpc_main(check_pool_on_rpc_device)
+    rpc_main(check_on_rpc_device)

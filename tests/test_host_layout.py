@@ -97,7 +97,8 @@ def check_gpu_keeps_plain_experts(device, tmp_path):
         try:
             bufts = set(expert_bufts(model).values())
             assert bufts == {"CPU_REPACK"} if mode == "on" else bufts <= PLAIN, (mode, bufts)
-            assert model_tensor_buft(model.ptr, "blk.0.attn_q.weight").startswith("RPC")
+            # device RPC0: buffer type "RPC[host:port]"; device CUDA0: "CUDA0"
+            assert model_tensor_buft(model.ptr, "blk.0.attn_q.weight").startswith(device.rstrip("0123456789"))
         finally:
             model.close()
 

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The checks that need a real GPU, in stages that each fit a short lease of a GPU machine.
+#
+#   bench/gpu_checks.sh correct  OUT_DIR   # lossless + tolerance checks with the pool on CUDA0
+#   bench/gpu_checks.sh truth    OUT_DIR   # bench_sim_truth.py on CUDA0: predicted vs measured tok/s
+#   bench/gpu_checks.sh peer     OUT_DIR   # llama.cpp -ngl 99 --n-cpu-moe on the same target
+#
+# Needs: spac importable by `python3` (a CUDA build, scripts/install.sh --cuda), the device SPAC_DEVICE
+# names (default CUDA0),
+# and for `peer` LLAMA_BENCH naming a CUDA build of llama-bench. SPAC_THREADS sets the host
+# threads (default: half the cores, llama.cpp's usual choice on SMT machines). Every stage
+# prints the GPU and the CPU's flags first, and writes its logs and JSON under OUT_DIR.
+set -euo pipefail
+stage=${1:?stage: correct, truth or peer}
+out=${2:?output directory}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+device=${SPAC_DEVICE:-CUDA0}
+threads=${SPAC_THREADS:-$(( $(nproc) / 2 ))}
+spac() { "$py" -m orchestrator.cli "$@"; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) x $(nproc)"
+echo "cpu flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|f16c|avx512f|avx512_vnni|avx512bw|amx_tile|amx_int8)$' | tr '\n' ' ')"
+echo "host threads: $threads"
+
+target=${SPAC_MB_TARGET:-/tmp/spac-mb/olmoe-bytes-f16.gguf}
+make_target() {
+    [ -e "$target" ] || { mkdir -p "$(dirname "$target")"; "$py" scripts/make_memory_bound_target.py "$target"; }
+}
+
+case $stage in
+correct)
+    # 1. end to end on the shipped models: every pool/draft setting must print the target's own
+    # greedy tokens (a difference is reported and the stage goes on, failing at the end)
+    prompt=$'class Stack:\n    def __init__(self):'
+    failed=0
+    for model in orchestrator/models/spac-tiny-moe-f16.gguf orchestrator/models/spac-tiny-moe-q4_0.gguf; do
+        name=$(basename "$model" .gguf)
+        for budget in 25% 50%; do
+            spac generate "$prompt" -m "$model" -n 64 --temp 0 --json --device "$device" --expert-budget $budget \
+                --draft none -t "$threads" > "$out/$name-plain-$budget.json" || { failed=1; continue; }
+            drafts=(pool); [ "$name" = spac-tiny-moe-f16 ] && drafts=(pool model)
+            for draft in "${drafts[@]}"; do
+                args=(--draft pool); [ "$draft" = model ] && args=()   # model: the shipped draft, the default
+                spac generate "$prompt" -m "$model" -n 64 --temp 0 --json --device "$device" --expert-budget $budget \
+                    ${args[@]+"${args[@]}"} -t "$threads" > "$out/$name-$draft-$budget.json" || { failed=1; continue; }
+                "$py" - "$out/$name-plain-$budget.json" "$out/$name-$draft-$budget.json" <<'EOF' || failed=1
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+same = a["tokens"] == b["tokens"]
+print(f"{sys.argv[2].rsplit('/', 1)[1]}: {'identical to' if same else 'DIFFERS from'} target-only greedy "
+      f"({len(b['tokens'])} tokens; pool {b.get('pool_device')}, {b.get('n_slots')} slots)")
+if not same:
+    i = next(i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y)
+    print(f"  first difference at token {i}: {a['text']!r} vs {b['text']!r}")
+sys.exit(0 if same else 1)
+EOF
+            done
+        done
+    done
+    # 2. the engine tests that take a second device, with this device as that device
+    SPAC_TEST_DEVICE=$device "$py" -m pytest -q -p no:cacheprovider tests/test_engine_rpc.py tests/test_pool_draft.py \
+        tests/test_host_layout.py -k "rpc_device or gpu_run" 2>&1 | tee "$out/pytest-device.log" || failed=1
+    exit $failed
+    ;;
+truth)
+    make_target
+    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap \
+        --json "$out/sim-truth.json" --keep "$out/sim-truth-keep" 2>&1 | tee "$out/sim-truth.log"
+    tar -C "$out" -czf "$out/sim-truth-keep.tgz" sim-truth-keep && rm -r "$out/sim-truth-keep"
+    ;;
+peer)
+    make_target
+    : "${LLAMA_BENCH:?LLAMA_BENCH must name a CUDA build of llama-bench}"
+    # the target has 16 MoE layers: --n-cpu-moe 12 / 8 leave 25% / 50% of the experts on the GPU
+    "$LLAMA_BENCH" -m "$target" -ngl 99 -ncmoe 16,12,8,0 -t "$threads" -p 0 -n 64 -r 3 -o json \
+        > "$out/llama-bench.json" 2> "$out/llama-bench.err" || { tail -20 "$out/llama-bench.err"; exit 1; }
+    "$py" - "$out/llama-bench.json" <<'EOF'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print(f"llama-bench -ngl 99 --n-cpu-moe {r.get('n_cpu_moe')}: tg{r['n_gen']} {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} tok/s")
+EOF
+    # llama.cpp's own speculative decoding with the shipped draft on the GPU, bench_sim_truth's
+    # prompts and length, γ ≤ 8, greedy
+    spec=$(dirname "$LLAMA_BENCH")/llama-speculative-simple
+    for ncmoe in 12 8; do
+        "$py" - "$spec" "$target" "$ncmoe" "$threads" <<'EOF'
+import re, subprocess, sys
+sys.path.insert(0, "bench")
+from bench_sim_truth import PROMPTS
+exe, target, ncmoe, threads = sys.argv[1:]
+n = secs = drafted = accepted = 0
+for prompt in PROMPTS[:3]:
+    cmd = [exe, "-m", target, "-md", "orchestrator/models/spac-tiny-moe-q4_0.gguf", "--spec-type", "draft-simple",
+           "-ngl", "99", "-ngld", "99",
+           "--n-cpu-moe", ncmoe, "-p", prompt, "-n", "64", "-c", "512", "-t", threads, "-td", threads,
+           "--spec-draft-n-max", "8", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
+           "--temp", "0", "--top-k", "1", "--seed", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if res.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", res.stderr)
+    d = re.search(r"n_drafted\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", res.stderr, re.S)
+    n, secs = n + int(m.group(1)), secs + float(m.group(2))
+    drafted, accepted = drafted + int(d.group(1)), accepted + int(d.group(2))
+print(f"llama-speculative-simple -ngl 99 -ngld 99 --n-cpu-moe {ncmoe} γ≤8: {n / secs:.2f} tok/s "
+      f"({n} tokens, {accepted}/{drafted} drafts accepted)")
+EOF
+    done
+    ;;
+*)
+    echo "unknown stage $stage (correct, truth, peer)" >&2; exit 2 ;;
+esac
