@@ -390,6 +390,12 @@ _RPC_SERVER = textwrap.dedent("""
 """)
 
 
+def copies_block_compute(device: str | None) -> bool:
+    """Whether the pool device receives copies on the thread that computes: the CPU test device
+    and an RPC server do (a copy delays the pass behind it); a GPU copies on its own engine."""
+    return device in (None, "CPU") or str(device).startswith("RPC")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

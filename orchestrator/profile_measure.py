@@ -200,6 +200,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
     skip_absent: the live engine's setting on the device (the check pass and the zero slot).
     raw: filled with the timed passes, {"device"|"host": [(n, token counts of that side's experts, s)]}."""
     from orchestrator.llm import Model
+    from orchestrator.native import copies_block_compute
     from orchestrator.placement import devices
 
     tokens = tuple(sorted(set(int(n) for n in tokens)))
@@ -297,7 +298,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
             non_expert_on="device" if layers_on_device else "host",
             # ggml's RPC server receives tensors and computes graphs on one thread, in order; the
             # CPU test device's copies are memcpy on the host's own cores
-            copy_blocks_device=on_cpu_pool or str(device).startswith("RPC"), measured_with=Path(model_path).name,
+            copy_blocks_device=copies_block_compute(device), measured_with=Path(model_path).name,
             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         extra = {f"tokens_{n}_base_{side}_half_s": base[n] for side, base in (("device", base_d), ("host", base_h))
                  for n in tokens}

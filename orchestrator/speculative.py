@@ -40,7 +40,7 @@ import numpy as np
 from orchestrator.governor import Governor, GovernorConfig
 from orchestrator.llm import DEFAULT_REPACK, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
-from orchestrator.native import DEFAULT_BUDGET_RATIO
+from orchestrator.native import DEFAULT_BUDGET_RATIO, copies_block_compute
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
@@ -468,7 +468,8 @@ class Session:
             t_io_unit=(s["copy_busy_us"] - prev["copy_busy_us"]) * 1e-6 / n_copies if n_copies > 0 else np.nan,
             t_draft_token=draft_s / n_drafted if n_drafted else np.nan,
             t_layer=np.full(n_layer, verify_s / n_layer), expert_bytes=self.calibration.expert_bytes,
-            free_slots=int(s["n_slots"] - s["n_resident"]), n_drafted=n_drafted)
+            free_slots=int(s["n_slots"] - s["n_resident"]), n_drafted=n_drafted,
+            copies_block_device=copies_block_compute(self.cfg.device))
 
     # -- KV bookkeeping ---------------------------------------------------------------------
 

@@ -29,16 +29,17 @@ def test_zoo_computes_every_miss_on_the_host():
 
 
 def test_miss_rules_by_hand():
-    # 2 layers × 3 needed experts, pool of 2 slots, nothing resident before step 0:
+    # 2 layers × 3 needed experts, pool of 2 slots, nothing resident before step 0 (paced: the
+    # draft's 2 ms leave the 5 ms copies no time to land before the pass):
     # host: every miss on the host, nothing copied in the pass
-    host = run(LookaheadUtility(miss="cpu"), capacity=2, n_steps=1)
+    host = run(LookaheadUtility(miss="cpu", paced=True), capacity=2, n_steps=1)
     assert host.fetch_share == 0 and host.cpu_share == 1 and host.fetch_bytes == 0
     # fetch: every miss copied and computed on the device
-    fetch = run(LookaheadUtility(miss="fetch"), capacity=2, n_steps=1)
+    fetch = run(LookaheadUtility(miss="fetch", paced=True), capacity=2, n_steps=1)
     assert fetch.cpu_share == 0 and fetch.fetch_share == 1
     # greedy: copies only what lands before the host would finish (copy 5 ms + 1 vs host 10 ms):
     # per layer the hottest expert is copied, the other two go to the host
-    greedy = run(LookaheadUtility(miss="greedy"), capacity=2, n_steps=1)
+    greedy = run(LookaheadUtility(miss="greedy", paced=True), capacity=2, n_steps=1)
     assert 0 < greedy.fetch_share < 1 and 0 < greedy.cpu_share < 1
     assert greedy.step_time[0] < min(host.step_time[0], fetch.step_time[0])
 

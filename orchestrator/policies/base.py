@@ -64,6 +64,9 @@ class Feedback:
     Times in seconds; NaN where the step gave no sample (e.g. nothing ran on the host).
     t_cpu_unit: host time per (token, expert); t_gpu_unit: device time per distinct expert;
     t_io_unit: copy time per expert; t_layer: [n_layer] time of each MoE layer in the pass.
+    copies_block_device: the pool device receives copies on the thread that computes (an RPC
+    server, the CPU test device), so a copy still running when the pass starts delays it; a GPU
+    copies on its own engine while it computes.
     """
 
     t_cpu_unit: float
@@ -74,6 +77,7 @@ class Feedback:
     expert_bytes: float
     free_slots: int
     n_drafted: int = 0
+    copies_block_device: bool = True
     extra: dict = field(default_factory=dict)
 
 

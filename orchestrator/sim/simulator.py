@@ -229,7 +229,7 @@ class Simulator:
             t_cpu_unit=float(c.cpu_expert_s(1)), t_gpu_unit=float(c.gpu_expert_s(tokens)),
             t_io_unit=c.transfer_s, t_draft_token=c.draft_token_s,
             t_layer=np.full(t.n_layer, layer), expert_bytes=c.expert_bytes,
-            free_slots=pool.capacity - pool.n_allocated,
+            free_slots=pool.capacity - pool.n_allocated, copies_block_device=c.copy_blocks_device,
         )
 
     def run(self, policy: Policy, n_steps: int | None = None) -> SimResult:
@@ -285,7 +285,7 @@ class Simulator:
                 t_gpu_unit=stats["gpu_s"] / stats["gpu_experts"] if stats["gpu_experts"] else float("nan"),
                 t_io_unit=c.transfer_s, t_draft_token=c.draft_token_s, t_layer=layer_time,
                 expert_bytes=c.expert_bytes, free_slots=pool.capacity - pool.n_allocated,
-                n_drafted=routing.n_drafted,
+                n_drafted=routing.n_drafted, copies_block_device=c.copy_blocks_device,
             )
             pool.apply(policy.plan(routing, pool.allocated.copy(), feedback), now=now, evicts=policy.evicts)
 
