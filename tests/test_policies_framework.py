@@ -60,3 +60,25 @@ def test_split_rules_by_hand():
     d.reset(PolicyContext(n_layer=2, n_expert=4, top_k=2, capacity=3, gamma=1))
     assert d.plan(None, np.zeros((2, 4), bool)).wanted().sum() == 3
     assert r.step_time[1] > 0
+
+
+def test_pacing_keeps_the_last_copy_time_and_follows_the_device():
+    """A step without copies measures no copy time (NaN): the policy keeps the last one rather
+    than stop pacing; it paces only where copies block the device (paced='auto')."""
+    from orchestrator.policies.base import Feedback
+
+    def feedback(t_io, blocks):
+        return Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=t_io, t_draft_token=1e-3,
+                        t_layer=np.zeros(2), expert_bytes=1.0, free_slots=4, n_drafted=2, copies_block_device=blocks)
+
+    ctx = PolicyContext(n_layer=2, n_expert=8, top_k=2, capacity=6, gamma=2)
+    paced = LookaheadUtility(miss="cpu")
+    paced.reset(ctx)
+    paced.plan(None, np.zeros((2, 8), bool), feedback(1e-3, True))
+    assert paced.t_io == 1e-3
+    plan = paced.plan(None, np.zeros((2, 8), bool), feedback(np.nan, True))
+    assert paced.t_io == 1e-3 and len(plan.prefetch) == 2  # two draft tokens' time, 1 ms a copy
+    free = LookaheadUtility(miss="cpu")
+    free.reset(ctx)
+    assert len(free.plan(None, np.zeros((2, 8), bool), feedback(1e-3, False)).prefetch) == 6
+

@@ -122,6 +122,20 @@ def test_pool_applies_plans_by_the_engine_rules():
     assert not pool.allocated[0, 1] and pool.n_allocated == 3
 
 
+def test_a_pass_freezes_the_slots_it_names():
+    """The engine's maps freeze every resident slot until the pass ends: a copy that must evict
+    starts only before the next pass (the worker copies one at a time), a free slot any time."""
+    pool = Pool(1, 6, capacity=2, costs=COSTS)
+    pool.apply(plan_of([[1, 1, 0, 0, 0, 0]]), now=0.0, free=True)
+    want_new = plan_of([[0, 0, 1, 1, 1, 1]])
+    pool.frozen_from = 1.0  # the next pass starts right away: one eviction, then every slot frozen
+    pool.apply(want_new, now=1.0)
+    assert pool.allocated[0, 2] and pool.n_allocated == 2 and pool.allocated[0, :2].sum() == 1
+    pool.frozen_from = 2.0 + 5 * MS  # a draft of one copy's length between the passes: two
+    pool.apply(plan_of([[0, 0, 0, 0, 1, 1]]), now=2.0)
+    assert pool.allocated[0, 4] and pool.allocated[0, 5]
+
+
 def test_profiles_are_consistent():
     qwen = model("qwen3-30b-a3b")
     assert qwen.n_layer == 48 and qwen.params == pytest.approx(30.5e9, rel=0.01)

@@ -104,7 +104,12 @@ class LookaheadUtility(Policy):
     # ---- the plan ----------------------------------------------------------------------
     def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
         if feedback is not None:
-            self.t_io, self.t_draft = feedback.t_io_unit, feedback.t_draft_token
+            # a step without copies (or without drafting) measures nothing: keep the last value,
+            # else pacing would switch itself off on every such step
+            if feedback.t_io_unit > 0:
+                self.t_io = feedback.t_io_unit
+            if feedback.t_draft_token > 0:
+                self.t_draft = feedback.t_draft_token
             self.copies_block_device = feedback.copies_block_device
         if routing is not None:
             self.observe_pass(routing)

@@ -121,6 +121,9 @@ class Pool:
         self.started_at = np.full((n_layer, n_expert), np.inf)  # when its copy takes the link
         self.link_free_at = 0.0
         self.link_slowdown = 1.0  # > 1 while copies get only the idle time of a device's one thread
+        # when the next pass starts: it freezes every resident slot until it ends (the engine's
+        # maps name them), so a copy that must evict starts only before then
+        self.frozen_from = np.inf
         self.n_allocated = 0
         self.prefetch_bytes = 0.0
         self.fetch_bytes = 0.0
@@ -198,6 +201,8 @@ class Pool:
                 victim = divmod(int(order[pos]), n_expert)
                 if not is_listed[victim] and wanted[victim] and utility[victim] >= utility[layer, expert]:
                     continue  # everything resident is at least as useful as this request
+                if not free and max(now, self.link_free_at) > self.frozen_from:
+                    continue  # the sequential worker reaches it while a pass holds every resident slot
                 self.evict(*victim)
             self.copy(layer, expert, now, in_pass=False, free=free)
 
@@ -253,6 +258,7 @@ class Simulator:
             routing = trace.step(s)
             start = now
             draft_s = routing.n_drafted * c.draft_token_s
+            pool.frozen_from = start + draft_s
             if policy.uses_draft_routing and trace.has_draft_routing and routing.n_drafted:
                 drafted = trace.draft_step(s)
                 for j in range(routing.n_drafted):
@@ -287,6 +293,8 @@ class Simulator:
                 expert_bytes=c.expert_bytes, free_slots=pool.capacity - pool.n_allocated,
                 n_drafted=routing.n_drafted, copies_block_device=c.copy_blocks_device,
             )
+            # the next pass starts once the next draft has drafted
+            pool.frozen_from = now + (trace.n_drafted[s + 1] * c.draft_token_s if s + 1 < n_steps else np.inf)
             pool.apply(policy.plan(routing, pool.allocated.copy(), feedback), now=now, evicts=policy.evicts)
 
         tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
