@@ -138,8 +138,13 @@ def _nan_output(session) -> str:
         finite = bool(np.isfinite(session.ctx.logits()).all())
     except (AttributeError, ValueError):  # no decode yet
         return ""
-    return "" if finite else (f"{session.target.path.name} computes NaN/Inf: its weights are damaged "
-                              "(--check-tensors names the tensor)")
+    if finite:
+        return ""
+    why = "its weights are damaged (--check-tensors names the tensor)"
+    device = getattr(session.cfg, "device", None)
+    if device not in (None, "CPU"):  # a device kernel can fault too (an H100 run once did)
+        why = f"damaged weights (--check-tensors names the tensor) or a fault on {device} (try --device CPU)"
+    return f"{session.target.path.name} computes NaN/Inf: {why}"
 
 
 def _no_limit(n_predict: int, flag: str = "-n/--n-predict") -> int:
