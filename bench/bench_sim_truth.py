@@ -14,7 +14,8 @@
    every row; rows = pool budget 25% and 50% × static placement (llama.cpp's --n-cpu-moe) and
    spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive. Each
    row records its routing trace (`orchestrator.record`'s writer on the session) and its decode
-   tok/s (prefill excluded), summed over the prompts.
+   tok/s (prefill excluded), summed over the prompts, timed once the pool holds the warm-up's plan
+   (the simulator places its first plan for free).
 3. Predicted: each row's trace replayed by the simulator with the measured profile, the same
    policy class and the engine's slot count; the trace carries the γ and acceptance of every
    step, so only the cost model is under test.
@@ -123,6 +124,10 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     with Session(cfg, policy=policy) as s:
         s.complete(WARM_UP, max_tokens=16)
         eng = s.engine
+        # timing starts once the pool holds the warm-up's plan, as the simulator's does (its
+        # first plan is placed for free): else a row pays for filling the pool inside its
+        # measured tokens, and on the RPC device every copy holds up the pass behind it
+        eng.wait_idle(600)
         row.n_slots = int(eng.stats()["n_slots"])
         writer = TraceWriter(Path(cache).with_suffix(f".{row.policy}-{row.budget}-{row.speculative}.npz"),
                              n_layer=eng.n_moe_layers, n_expert=eng.n_expert, top_k=eng.n_expert_used,
