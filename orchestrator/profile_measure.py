@@ -319,7 +319,7 @@ def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
             host_tokens = c[(c > 0) & ~r]
             host = float(costs.cpu_expert_s(host_tokens).sum())
             if costs.zero_slot and host_tokens.sum():
-                dev += float(costs.gpu_expert_s(host_tokens.sum()))
+                dev += costs.zero_slots_s(int(host_tokens.sum()), target.top_k)
             if not costs.overlap:
                 both = dev + host + costs.sync_s
             elif costs.sync_on_device:

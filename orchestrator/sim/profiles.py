@@ -295,6 +295,12 @@ class CostModel:
         """Device time of experts with n_tokens tokens each (array or scalar)."""
         return self._expert(self.expert_bytes / self.gpu_bw, self.expert_flops / self.gpu_flops, n_tokens, self.gpu_table)
 
+    def zero_slots_s(self, n_tokens: int, top_k: int) -> float:
+        """Device time of the absent experts' n_tokens (token, expert) pairs on a device pool: one
+        zero slot per top-k position (patch 0013), so up to top_k distinct zero experts share them."""
+        k = max(min(int(n_tokens), int(top_k)), 1)
+        return k * float(self.gpu_expert_s(-(-int(n_tokens) // k)))
+
     def cpu_expert_s(self, n_tokens):
         """Host time of experts with n_tokens tokens each (array or scalar)."""
         return self._expert(self.expert_bytes / self.cpu_bw, self.expert_flops / self.cpu_flops, n_tokens, self.cpu_table)

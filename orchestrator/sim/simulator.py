@@ -351,8 +351,8 @@ class Simulator:
                     host_experts, end_device = fetcher.greedy(n, end_device)
             host = float(c.cpu_expert_s(n[host_experts]).sum())
             n_host = int(n[host_experts].sum())
-            if c.zero_slot and n_host:  # the device multiplies the absent experts' tokens by the zero slot
-                end_device += float(c.gpu_expert_s(n_host))
+            if c.zero_slot and n_host:  # the device multiplies the absent experts' tokens by zero slots
+                end_device += c.zero_slots_s(n_host, self.trace.top_k)
             stats["device_busy"] += end_device - t
             stats["cpu_s"] += host
             stats["cpu_tokens"] += n_host
