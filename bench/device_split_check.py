@@ -21,8 +21,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-PROMPT = [5, 17, 42, 99, 7, 250, 31, 64]
+from engine_common import PROMPT, model_config  # noqa: E402  (the engine tests' ubatch and random model)
+
 NEXT = [12, 200, 3, 77, 150]
 
 
@@ -56,11 +58,10 @@ def main() -> int:
     if args.random:
         import tempfile
 
-        from orchestrator.gguf_export import make_random_model, tiny_config
+        from orchestrator.gguf_export import make_random_model
 
-        cfg = tiny_config("qwen3moe", n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
-        args.model = make_random_model(Path(tempfile.mkdtemp()) / f"random-{args.random}.gguf", cfg, seed=2,
-                                       dtype="f32", quant=args.random)
+        args.model = make_random_model(Path(tempfile.mkdtemp()) / f"random-{args.random}.gguf", model_config("qwen3moe"),
+                                       seed=2, dtype="f32", quant=args.random)
     model = Model(args.model, n_gpu_layers=args.n_gpu_layers, repack="off")
     ctx = Context(model, n_ctx=128, n_batch=16, n_threads=args.threads)
     bad = 0
