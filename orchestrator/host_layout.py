@@ -48,9 +48,9 @@ MAX_BENCH_EXPERTS = 32
 # likewise rows of a dense weight (the output head has a row per vocabulary entry): the time per
 # row is the same for every block of rows
 MAX_BENCH_ROWS = 4096
-# a dense weight leaves the file's mapping only for a clear gain: its copy costs resident memory
-# (the mapped pages it was read from stay), and the sampled rows run from cache where a real pass
-# streams them (in a run, Q6_K's 1.2x measured in AMX's layout bought no decode speed)
+# a dense weight leaves the file's mapping only for a clear gain: the sampled rows run from cache
+# where a real pass streams them (in a run, Q6_K's 1.2x measured in AMX's layout bought no decode
+# speed). Its copy replaces the mapped pages it was read from (patch 0014), so memory is not the cost.
 DENSE_MIN_GAIN = 1.25
 _GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
 

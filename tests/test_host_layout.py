@@ -6,6 +6,9 @@ a prompt reads, and greedy speculative decoding staying lossless on the new defa
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,6 +88,47 @@ def test_every_expert_lands_where_the_mode_says(files, quant):
                 assert "CPU_REPACK" in bufts.values()
         finally:
             model.close()
+
+
+def mapped_resident_bytes(path) -> int:
+    """Resident bytes of this process's mappings of `path` (Linux's /proc/self/smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+            ours = line.endswith(str(path))
+        elif ours and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_copied_weights_leave_no_pages_in_the_mapping(tmp_path):
+    """A weight copied out of the file mapping (repacked) keeps none of its file pages resident
+    (patch 0014): the copy does not count twice. The weights used in place are still faulted in
+    at load, as llama.cpp's MAP_POPULATE does."""
+    import gguf
+
+    # experts of 2.25 MiB, so that the pages at the edges of a tensor are noise
+    cfg = tiny_config("qwen3moe", n_layer=1, n_embd=512, n_expert=8, n_expert_used=2, n_ff_exp=1024)
+    original = make_random_model(tmp_path / "m.gguf", cfg, seed=5, quant="q4_0")
+    page = os.sysconf("SC_PAGESIZE")
+    tensors = [(t.name, int(t.n_bytes)) for t in gguf.GGUFReader(original).tensors]
+    for mode in ("on", "off"):
+        path = tmp_path / f"{mode}.gguf"  # a copy of its own: no other model maps it
+        shutil.copyfile(original, path)
+        model = Model(path, repack=mode, n_threads=2)
+        try:
+            copied = [n for n, _ in tensors if model_tensor_buft(model.ptr, n) not in PLAIN]
+            resident = mapped_resident_bytes(path)
+        finally:
+            model.close()
+        in_place = sum(b for n, b in tensors if n not in copied)
+        if mode == "on":
+            assert any("_exps" in n for n in copied)
+            assert resident <= in_place + 2 * page * (len(copied) + 1), (resident, in_place)
+        else:
+            assert not copied and resident >= in_place
 
 
 def check_gpu_keeps_plain_experts(device, tmp_path):

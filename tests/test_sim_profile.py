@@ -96,7 +96,8 @@ def test_measure_writes_a_profile_that_loads(tmp_path):
     # the file drives the simulator like any profile
     target, quant = profiles.from_gguf(MODELS_DIR / "spac-tiny-moe-f16.gguf")
     costs = CostModel.from_measured(p, target, quant=quant)
-    assert costs.gpu_expert_s(1) >= 0 and costs.cpu_expert_s(9) >= costs.cpu_expert_s(1)
+    # measured times: only their form is checked (a one-repeat timing need not grow with the batch)
+    assert costs.gpu_expert_s(1) >= 0 and all(costs.cpu_expert_s(n) > 0 for n in (1, 9))
 
 
 def test_copies_on_the_device_thread_delay_passes(tmp_path):
