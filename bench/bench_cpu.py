@@ -115,7 +115,8 @@ def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -
     from orchestrator.llm import Context, Model
 
     model = Model(path, repack=repack)
-    ctx = Context(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_threads=threads)
+    # one context for both phases (cleared in between), as large as llama-bench's larger one
+    ctx = Context(model, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, n_threads=threads)
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, model.n_vocab, n_prompt)
     ctx.decode(prompt, logits_all=False)  # warm-up: llama-bench runs the whole prompt once first

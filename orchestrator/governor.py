@@ -31,7 +31,10 @@ takes the neighbour of the best γ whose verify cost was measured longest ago (i
 it close to the best), and every `probe_far`-th probe the γ measured longest ago of all that are
 not far worse, so the model follows the machine's load and the text's acceptance. While γ = 0 is
 in force only every `plain_probe_every`-th probe is taken, and the plain steps in between do not
-ask the model at all (`next_gamma`).
+ask the model at all (`next_gamma`); each probe that leaves γ = 0 in force doubles that interval
+(up to `plain_backoff_max` times: 1,024 steps), since a probe from γ = 0 costs the most (the draft
+catches up on every token it skipped) and a draft that cannot pay keeps finding so: on the shipped
+model the probes every 64 steps cost 3% of a plain decode loop's speed.
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
 """
@@ -61,6 +64,7 @@ class GovernorConfig:
     probe_far: int = 8            # every 8th probe tries the γ measured longest ago ...
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
     plain_probe_every: int = 4    # while γ = 0 is in force, only every n-th probe step is taken
+    plain_backoff_max: int = 4    # ... and each probe that leaves γ = 0 in force doubles that, up to 2^4 times
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -98,6 +102,7 @@ class Governor:
         self._tps: list[float] | None = None
         self._judged = False          # the last step judged drafts (its acceptance moved the model)
         self._quiet = 0               # steps still to run at γ = 0 without asking the model
+        self._plain_runs = 0          # plain runs in a row, each started by a probe that kept γ = 0
         self._plain: list[tuple[float, float]] | None = None  # (verify, other) s of steps decided ahead
         # the first step pays for cold caches and first-touch page faults: its times are not
         # kept, and its γ is probed again next
@@ -309,10 +314,13 @@ class Governor:
             probe = c.probe_every > 0 and self.steps % c.probe_every == 0
             if probe or self._judged or self.current is None:
                 self.current = self.best_gamma()
+                if self.current:
+                    self._plain_runs = 0
             g = self._probe_near(self.current) if probe else self.current
-            every = c.probe_every * c.plain_probe_every
+            every = c.probe_every * c.plain_probe_every << min(self._plain_runs, c.plain_backoff_max)
             if g == self.current == 0 and every and self.steps + 1 >= len(self._probes):
                 self._quiet, self._plain = every - 1 - self.steps % every, []
+                self._plain_runs += 1
         self.last_gamma = g
         return g
 

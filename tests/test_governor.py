@@ -185,3 +185,19 @@ def test_the_gamma_in_force_stays_unless_another_is_clearly_better():
         gov.current = other
         clearly = tps[best] > 1.02 * tps[other]
         assert gov.best_gamma() == (best if clearly else other)
+
+
+def test_probes_from_a_plain_run_back_off_while_drafting_cannot_pay():
+    """A draft that cannot pay: each probe that keeps γ = 0 doubles the next plain run (64, 128,
+    ... up to 1,024 steps), so probes (the costliest steps from γ = 0) become rare; without the
+    back-off one may draft every 64 steps."""
+    def drafting_steps(cfg: GovernorConfig) -> int:
+        m, gov, n = Machine(base=0.001, per_token=0.001, knee=1, draft=0.0009, alpha=0.2), Governor(cfg), 0
+        for step in range(3000):
+            g = gov.next_gamma()
+            n += g > 0 and step >= 100
+            gov.observe(*m.step(g))
+        return n
+
+    assert drafting_steps(GovernorConfig(gamma_max=8)) <= 8
+    assert drafting_steps(GovernorConfig(gamma_max=8, plain_backoff_max=0)) >= 20
