@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from orchestrator.policies import COMBINATIONS, DEFAULT, POLICIES, ZOO, make_policy
+from orchestrator.plan import StepRouting
 from orchestrator.policies.base import PolicyContext
 from orchestrator.policies.default import LookaheadUtility
 from tests.test_sim_costs import run
@@ -82,3 +83,23 @@ def test_pacing_keeps_the_last_copy_time_and_follows_the_device():
     free.reset(ctx)
     assert len(free.plan(None, np.zeros((2, 8), bool), feedback(1e-3, False)).prefetch) == 6
 
+
+
+def test_no_copies_without_a_draft_where_copies_block_the_device():
+    """Autoregressive (γ = 0) on a device that copies on its compute thread: the first plan fills
+    the pool, later plans only fill free slots, never swap (no draft to hide a copy behind); a GPU
+    keeps swapping."""
+    from orchestrator.policies.base import Feedback
+
+    def feedback(blocks, free=0):
+        return Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=1e-3, t_draft_token=np.nan,
+                        t_layer=np.zeros(2), expert_bytes=1.0, free_slots=free, n_drafted=0, copies_block_device=blocks)
+
+    ctx = PolicyContext(n_layer=2, n_expert=8, top_k=2, capacity=6, gamma=0)
+    step = StepRouting(selected=np.array([[[0, 1], [2, 3]]]), weights=np.full((1, 2, 2), 0.5), n_drafted=0, n_accepted=0)
+    for blocks in (True, False):
+        policy = LookaheadUtility(miss="cpu")
+        policy.reset(ctx)
+        assert len(policy.plan(None, np.zeros((2, 8), bool), feedback(blocks, free=6)).prefetch) == 6
+        assert len(policy.plan(step, np.zeros((2, 8), bool), feedback(blocks, free=2)).prefetch) == (2 if blocks else 6)
+        assert (len(policy.plan(step, np.zeros((2, 8), bool), feedback(blocks)).prefetch) == 0) == blocks
