@@ -392,6 +392,12 @@ def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
     return exe
 
 
+def patch_description(text: str) -> str:
+    """What a patch says before its diff (its first file may start "diff --git" or "--- a/"):
+    the commit message in the vendor tree, written back by --export-patches."""
+    return re.split(r"^(?:diff --git |--- a/)", text, maxsplit=1, flags=re.M)[0].strip()
+
+
 def apply_patches(patches: list[Path], tree: Path = TREE) -> None:
     """`git apply --check`, then apply and commit, every patch in order.
 
@@ -404,7 +410,7 @@ def apply_patches(patches: list[Path], tree: Path = TREE) -> None:
         # later patches build on earlier ones, so apply before checking the next
         git("apply", f"--directory={LLAMA_CPP_DIR}", str(p), cwd=tree)
         git("add", "-A", "--force", cwd=tree)
-        header = p.read_text().split("diff --git", 1)[0].strip()
+        header = patch_description(p.read_text())
         git("commit", "-q", "--allow-empty", "-m", f"{p.name}\n\n{header}".strip(), cwd=tree)
 
 

@@ -67,3 +67,16 @@ def test_tampered_sdist_is_refused_and_the_build_kept(tmp_path):
     assert (lib.stat().st_mtime, STAMP.read_text()) == before
     # and the earlier build still counts as up to date
     assert "up to date" in build().stdout
+
+
+def test_a_patch_description_stops_where_its_diff_starts():
+    """The vendor tree's commit message, which --export-patches writes back, is the description
+    alone, whichever way the patch's first file starts (0011 and 0012 start with "--- a/")."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from build_native import PATCHES, patch_description
+
+    for p in (PATCHES / "series").read_text().split():
+        text = (PATCHES / p).read_text()
+        description = patch_description(text)
+        assert description and "\n--- a/" not in description and "diff --git" not in description, p
+        assert text.startswith(description)
