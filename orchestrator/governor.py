@@ -317,7 +317,7 @@ class Governor:
                 if self.current:
                     self._plain_runs = 0
             g = self._probe_near(self.current) if probe else self.current
-            every = c.probe_every * c.plain_probe_every << min(self._plain_runs, c.plain_backoff_max)
+            every = (c.probe_every * c.plain_probe_every) << min(self._plain_runs, c.plain_backoff_max)
             if g == self.current == 0 and every and self.steps + 1 >= len(self._probes):
                 self._quiet, self._plain = every - 1 - self.steps % every, []
                 self._plain_runs += 1
