@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.policies import COMBINATIONS, DEFAULT, POLICIES, ZOO, make_policy
 from orchestrator.plan import StepRouting
-from orchestrator.policies.base import PolicyContext
+from orchestrator.policies.base import Feedback, PolicyContext
 from orchestrator.policies.default import LookaheadUtility
 from tests.test_sim_costs import run
 
@@ -63,14 +63,17 @@ def test_split_rules_by_hand():
     assert r.step_time[1] > 0
 
 
+def step_feedback(t_io: float, t_draft: float, blocks: bool, free: int, n_drafted: int) -> Feedback:
+    """A step's measurements on 2 layers, only the fields pacing reads set."""
+    return Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=t_io, t_draft_token=t_draft, t_layer=np.zeros(2),
+                    expert_bytes=1.0, free_slots=free, n_drafted=n_drafted, copies_block_device=blocks)
+
+
 def test_pacing_keeps_the_last_copy_time_and_follows_the_device():
     """A step without copies measures no copy time (NaN): the policy keeps the last one rather
     than stop pacing; it paces only where copies block the device (paced='auto')."""
-    from orchestrator.policies.base import Feedback
-
     def feedback(t_io, blocks):
-        return Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=t_io, t_draft_token=1e-3,
-                        t_layer=np.zeros(2), expert_bytes=1.0, free_slots=4, n_drafted=2, copies_block_device=blocks)
+        return step_feedback(t_io, t_draft=1e-3, blocks=blocks, free=4, n_drafted=2)
 
     ctx = PolicyContext(n_layer=2, n_expert=8, top_k=2, capacity=6, gamma=2)
     paced = LookaheadUtility(miss="cpu")
@@ -84,16 +87,12 @@ def test_pacing_keeps_the_last_copy_time_and_follows_the_device():
     assert len(free.plan(None, np.zeros((2, 8), bool), feedback(1e-3, False)).prefetch) == 6
 
 
-
 def test_no_copies_without_a_draft_where_copies_block_the_device():
     """Autoregressive (γ = 0) on a device that copies on its compute thread: the first plan fills
     the pool, later plans only fill free slots, never swap (no draft to hide a copy behind); a GPU
     keeps swapping."""
-    from orchestrator.policies.base import Feedback
-
     def feedback(blocks, free=0):
-        return Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=1e-3, t_draft_token=np.nan,
-                        t_layer=np.zeros(2), expert_bytes=1.0, free_slots=free, n_drafted=0, copies_block_device=blocks)
+        return step_feedback(1e-3, t_draft=np.nan, blocks=blocks, free=free, n_drafted=0)
 
     ctx = PolicyContext(n_layer=2, n_expert=8, top_k=2, capacity=6, gamma=0)
     step = StepRouting(selected=np.array([[[0, 1], [2, 3]]]), weights=np.full((1, 2, 2), 0.5), n_drafted=0, n_accepted=0)

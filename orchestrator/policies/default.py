@@ -28,10 +28,10 @@ server copies on its compute thread); a GPU copies while it computes, so there e
 expert is issued at once (`paced="auto"`; an H100 run that paced filled 116 of 256 slots in 27
 verify steps and hit 0.25 where static placement hit 0.53). Without a draft (autoregressive)
 there is nothing to hide a copy behind, so where copies block the device only free slots are
-filled after the first plan. Each draft token refreshes d and
-the plan, so prefetch runs while the draft drafts. Misses follow the miss rule (default
-"greedy": a missing expert is copied in the pass when that finishes sooner than the host would,
-else computed on the host). Hot/cold for `spac sim accuracy`: hot ⇔ p ≥ 1/2.
+filled after the first plan. Each draft token refreshes d and the plan, so prefetch runs while
+the draft drafts. Misses follow the miss rule (default "greedy": a missing expert is copied in
+the pass when that finishes sooner than the host would, else computed on the host). Hot/cold for
+`spac sim accuracy`: hot ⇔ p ≥ 1/2.
 """
 
 from __future__ import annotations
