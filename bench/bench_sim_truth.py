@@ -29,11 +29,16 @@
 with the current cost model (no live run): how a change to the model is held against the same
 measurements.
 
+Every row runs --repeats times (3; the rows interleaved, a fresh session each time), each run's
+trace replayed on its own; a row's tok/s is over all its runs.
+
 Printed: a table of predicted and measured tok/s with the error of each row (and the share of
 expert work on the device and the expert copies, measured and simulated), whether the ranking
 of the configurations agrees (every pair of rows that differ in one factor: budget, policy,
-speculation, ordered the same way by prediction and measurement), the machine load and the
-command. --json FILE writes the rows as a list of objects ("row", "predicted_tok_s",
+speculation; the runs order a pair when every run of one is faster than every run of the
+other, and the prediction must order it the same way; rows whose runs overlap are alike, and
+the prediction must not put them further apart than their runs spread), the machine load and
+the command. --json FILE writes the rows as a list of objects ("row", "predicted_tok_s",
 "measured_tok_s", "error", ...).
 
 The sessions run one after the other (each holds its pool on the RPC server: 8 at once would
@@ -69,33 +74,66 @@ POLICIES = {"static": "static", "spac": "spac/host"}  # live name → the simula
 
 
 @dataclass
-class Row:
-    budget: float
-    policy: str        # "static" | "spac"
-    speculative: bool
+class Run:
+    """One live session of a row (every prompt), and its replay."""
     tokens: int = 0
     seconds: float = 0.0
-    n_slots: int = 0
     trace: object = None
     texts: list = field(default_factory=list)
     device_tokens: int = 0   # expert-token pairs the live engine computed on the device
     host_tokens: int = 0
     copies: int = 0
-    predicted: float = float("nan")
+    predicted_s: float = float("nan")
     sim: dict = field(default_factory=dict)
+
+    @property
+    def measured(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+@dataclass
+class Row:
+    budget: float
+    policy: str        # "static" | "spac"
+    speculative: bool
+    n_slots: int = 0
+    runs: list = field(default_factory=list)
 
     @property
     def name(self) -> str:
         return f"{self.budget:.0%} {self.policy} {'+ speculative' if self.speculative else 'autoregressive'}"
 
+    def total(self, key: str):
+        return sum(getattr(r, key) for r in self.runs)
+
+    @property
+    def texts(self) -> list:
+        return self.runs[0].texts if self.runs else []
+
     @property
     def measured_hit(self) -> float:
-        n = self.device_tokens + self.host_tokens
-        return self.device_tokens / n if n else float("nan")
+        n = self.total("device_tokens") + self.total("host_tokens")
+        return self.total("device_tokens") / n if n else float("nan")
 
     @property
     def measured(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
+        """tok/s over every run"""
+        seconds = self.total("seconds")
+        return self.total("tokens") / seconds if seconds else float("nan")
+
+    @property
+    def predicted(self) -> float:
+        seconds = self.total("predicted_s")
+        return self.total("tokens") / seconds if seconds else float("nan")
+
+    @property
+    def measured_range(self) -> tuple[float, float]:
+        """The slowest and the fastest run's tok/s."""
+        v = [r.measured for r in self.runs]
+        return min(v), max(v)
+
+    def sim_total(self, key: str):
+        return sum(r.sim[key] for r in self.runs)
 
 
 def machine_cpu_seconds() -> float:
@@ -127,7 +165,7 @@ def pin_compute_units() -> str:
     return f"host on CPU {cpus[0]}, RPC server on CPU {cpus[1]}"
 
 
-def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path) -> None:
+def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path) -> Run:
     """One configuration: open, warm up, generate every prompt greedily, record the trace."""
     from orchestrator.policies.default import LookaheadUtility
     from orchestrator.policies.static import StaticPlacement
@@ -147,6 +185,7 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
         # measured tokens, and on the RPC device every copy holds up the pass behind it
         eng.wait_idle(600)
         row.n_slots = int(eng.stats()["n_slots"])
+        run = Run()
         writer = TraceWriter(Path(cache).with_suffix(f".{row.policy}-{row.budget}-{row.speculative}.npz"),
                              n_layer=eng.n_moe_layers, n_expert=eng.n_expert, top_k=eng.n_expert_used,
                              model=target.stem, meta={"gguf": str(target), "draft_gguf": str(draft) if row.speculative else None})
@@ -154,17 +193,19 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
         for prompt in PROMPTS[:args.prompts]:
             s.reset()
             c = s.complete(prompt, max_tokens=args.n, sampling=SamplingParams(temperature=0.0))
-            row.tokens += c.metrics.n_tokens
-            row.seconds += c.metrics.decode_s
-            row.device_tokens += c.metrics.n_expert_tokens_device
-            row.host_tokens += c.metrics.n_expert_tokens_cpu
-            row.copies += c.metrics.n_copies
-            row.texts.append(c.text)
-        row.trace = writer.to_trace()
+            run.tokens += c.metrics.n_tokens
+            run.seconds += c.metrics.decode_s
+            run.device_tokens += c.metrics.n_expert_tokens_device
+            run.host_tokens += c.metrics.n_expert_tokens_cpu
+            run.copies += c.metrics.n_copies
+            run.texts.append(c.text)
+        run.trace = writer.to_trace()
+    row.runs.append(run)
+    return run
 
 
 def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
-    """Replay the row's trace with the measured profile, the same policy and slot count."""
+    """Replay each run's trace with the measured profile, the same policy and slot count."""
     from orchestrator.policies import make_policy
     from orchestrator.sim import profiles
     from orchestrator.sim.simulator import SimConfig, Simulator
@@ -176,11 +217,13 @@ def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
         dkey = profiles.register(dprof)
     config = SimConfig(hardware=str(profile), model=profiles.register(tprof), draft=dkey, quant=quant,
                        draft_quant=dquant, capacity=row.n_slots)
-    sim = Simulator(row.trace, config)
-    r = sim.run(make_policy(POLICIES[row.policy]))
-    row.predicted = r.tokens_per_s
-    row.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "ms_per_step": 1e3 * r.time_s / max(r.n_steps, 1),
-               "copies": round(r.bytes_moved / sim.costs.expert_bytes)}
+    for run in row.runs:
+        sim = Simulator(run.trace, config)
+        r = sim.run(make_policy(POLICIES[row.policy]))
+        run.predicted_s = r.time_s
+        run.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "rows": run.trace.n_rows,
+                   "hits": r.hit_rate * run.trace.n_rows,
+                   "copies": round(r.bytes_moved / sim.costs.expert_bytes)}
 
 
 def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
@@ -247,12 +290,14 @@ def keep(out: Path, rows: list[Row], profile: Path, overlap: list, target: Path,
     if Path(profile).resolve() != (out / "profile.toml").resolve():
         (out / "profile.toml").write_text(Path(profile).read_text())
     for i, r in enumerate(rows):
-        r.trace.save(out / f"row{i}.npz")
+        for j, run in enumerate(r.runs):
+            run.trace.save(out / f"row{i}-run{j}.npz")
     (out / "live.json").write_text(json.dumps({
         "target": str(target), "draft": str(draft), "overlap": overlap,
-        "rows": [{"budget": r.budget, "policy": r.policy, "speculative": r.speculative, "tokens": r.tokens,
-                  "seconds": r.seconds, "n_slots": r.n_slots, "device_tokens": r.device_tokens,
-                  "host_tokens": r.host_tokens, "copies": r.copies, "texts": r.texts} for r in rows]}, indent=1))
+        "rows": [{"budget": r.budget, "policy": r.policy, "speculative": r.speculative, "n_slots": r.n_slots,
+                  "runs": [{"tokens": run.tokens, "seconds": run.seconds, "device_tokens": run.device_tokens,
+                            "host_tokens": run.host_tokens, "copies": run.copies, "texts": run.texts}
+                           for run in r.runs]} for r in rows]}, indent=1))
 
 
 def replay(args, command: str) -> None:
@@ -262,9 +307,8 @@ def replay(args, command: str) -> None:
     data = json.loads((args.replay / "live.json").read_text())
     rows = []
     for i, r in enumerate(data["rows"]):
-        row = Row(r["budget"], r["policy"], r["speculative"], tokens=r["tokens"], seconds=r["seconds"],
-                  n_slots=r["n_slots"], trace=read_trace(args.replay / f"row{i}.npz"),
-                  device_tokens=r.get("device_tokens", 0), host_tokens=r.get("host_tokens", 0), copies=r.get("copies", 0))
+        row = Row(r["budget"], r["policy"], r["speculative"], n_slots=r["n_slots"],
+                  runs=[Run(trace=read_trace(args.replay / f"row{i}-run{j}.npz"), **run) for j, run in enumerate(r["runs"])])
         predict(row, args.replay / "profile.toml", Path(data["target"]), Path(data["draft"]))
         rows.append(row)
     from orchestrator.sim import profiles
@@ -273,14 +317,26 @@ def replay(args, command: str) -> None:
            profiles.read_measured(args.replay / "profile.toml"), machine=f"replayed from {args.replay}")
 
 
-def ranking_checks(rows: list[Row]) -> list[tuple[str, str, bool]]:
-    """Every pair of rows that differ in exactly one factor: (a, b, same order in both)."""
+def ranking_checks(rows: list[Row]) -> list[tuple[str, str, str, bool]]:
+    """Every pair of rows that differ in exactly one factor: (a, b, the measured order, whether the
+    prediction agrees). The runs order a pair when every run of one is faster than every run of
+    the other; where their ranges overlap the measurement finds them alike ("tie"), and the
+    prediction agrees when it puts them apart by no more than the measured ranges allow (the
+    larger of the two rows' spreads, fastest over slowest run)."""
     out = []
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
-            diff = (a.budget != b.budget) + (a.policy != b.policy) + (a.speculative != b.speculative)
-            if diff == 1:
-                out.append((a.name, b.name, (a.predicted > b.predicted) == (a.measured > b.measured)))
+            if (a.budget != b.budget) + (a.policy != b.policy) + (a.speculative != b.speculative) != 1:
+                continue
+            (a_lo, a_hi), (b_lo, b_hi) = a.measured_range, b.measured_range
+            if a_lo > b_hi or b_lo > a_hi:
+                order = ">" if a_lo > b_hi else "<"
+                ok = (a.predicted > b.predicted) == (order == ">")
+            else:
+                order = "tie"
+                spread = max(a_hi / a_lo, b_hi / b_lo)
+                ok = max(a.predicted, b.predicted) / min(a.predicted, b.predicted) <= spread
+            out.append((a.name, b.name, order, ok))
     return out
 
 
@@ -292,6 +348,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="live runs of every row, interleaved (their spread decides which rows differ)")
     ap.add_argument("-c", "--ctx-size", type=int, default=512)
     ap.add_argument("--profile", type=Path, help="reuse this measured profile instead of measuring one")
     ap.add_argument("--keep-profile", type=Path, help="also keep the measured profile here")
@@ -339,11 +397,12 @@ def main() -> None:
                                                                                  flush=True))
             profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
             print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
-        for row in rows:
-            t = time.monotonic()
-            run_live(row, target, draft, device, args, tmp / "calibration.json")
-            print(f"  live {row.name}: {row.measured:.2f} tok/s ({time.monotonic() - t:.0f} s)", file=sys.stderr,
-                  flush=True)
+        for repeat in range(args.repeats):
+            for row in rows:
+                t = time.monotonic()
+                run = run_live(row, target, draft, device, args, tmp / "calibration.json")
+                print(f"  live {row.name}, run {repeat + 1}/{args.repeats}: {run.measured:.2f} tok/s "
+                      f"({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
         if args.keep:
             keep(args.keep, rows, profile, overlap, target, draft)
         wall = time.monotonic() - t0
@@ -379,29 +438,34 @@ def report(rows: list[Row], overlap: list, args, command: str, target: Path, dra
     device = "RPC device 1 thread on 127.0.0.1" if args.device == "rpc" else f"device {args.device}"
     print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {args.n} tokens, greedy; "
           f"host {args.threads} thread(s), {device}; profile {prof.name} measured on {prof.measured_with}")
+    n_runs = len(rows[0].runs)
+    print(f"tok/s over {n_runs} run(s) of each row (interleaved), the runs' range in brackets")
     print("| row | slots | measured tok/s | predicted tok/s | error | steps | hit measured / simulated | "
           "copies measured / simulated |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         err = r.predicted / r.measured - 1
-        print(f"| {r.name} | {r.n_slots} | {r.measured:.2f} | {r.predicted:.2f} | {100 * err:+.1f}% | "
-              f"{r.sim['steps']} | {r.measured_hit:.2f} / {r.sim['hit']:.2f} | {r.copies} / {r.sim['copies']} |")
+        lo, hi = r.measured_range
+        sim_hit = r.sim_total("hits") / r.sim_total("rows")
+        print(f"| {r.name} | {r.n_slots} | {r.measured:.2f} [{lo:.2f}, {hi:.2f}] | {r.predicted:.2f} | {100 * err:+.1f}% | "
+              f"{r.sim_total('steps')} | {r.measured_hit:.2f} / {sim_hit:.2f} | {r.total('copies')} / "
+              f"{r.sim_total('copies')} |")
     errors = [abs(r.predicted / r.measured - 1) for r in rows]
     checks = ranking_checks(rows)
-    by_meas = [r.name for r in sorted(rows, key=lambda r: -r.measured)]
-    by_pred = [r.name for r in sorted(rows, key=lambda r: -r.predicted)]
+    ties = sum(order == "tie" for _, _, order, _ in checks)
     print(f"largest error {100 * max(errors):.1f}%, mean |error| {100 * sum(errors) / len(errors):.1f}%; "
-          f"{sum(c for *_, c in checks)}/{len(checks)} one-factor pairs ordered alike; full order "
-          f"{'identical' if by_meas == by_pred else 'differs'}")
-    for a, b, ok in checks:
-        if not ok:
-            print(f"  order differs: {a} vs {b}")
+          f"ranking: {sum(ok for *_, ok in checks)}/{len(checks)} one-factor pairs agree ({len(checks) - ties} "
+          f"ordered by the runs, {ties} alike within their spread)")
+    for a, b, order, ok in checks:
+        rel = {">": "faster than", "<": "slower than", "tie": "alike with"}[order]
+        print(f"  {'agrees ' if ok else 'DIFFERS'}: {a} measured {rel} {b}")
     if rows[0].texts:
-        differ = [r for r in rows if r.texts != rows[0].texts]
-        print(f"outputs: {'every row identical' if not differ else 'ROWS DIFFER'}")
-        for r in differ:
-            p = next(i for i, (a, b) in enumerate(zip(r.texts, rows[0].texts)) if a != b)
-            a, b = r.texts[p], rows[0].texts[p]
+        first = rows[0].texts
+        differ = [(r, run) for r in rows for run in r.runs if run.texts != first]
+        print(f"outputs: {'every run of every row identical' if not differ else 'RUNS DIFFER'}")
+        for r, run in differ:
+            p = next(i for i, (a, b) in enumerate(zip(run.texts, first)) if a != b)
+            a, b = run.texts[p], first[p]
             c = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             print(f"  {r.name} differs from {rows[0].name} in prompt {p} at character {c}: "
                   f"{a[max(c - 20, 0):c + 20]!r} vs {b[max(c - 20, 0):c + 20]!r}")
@@ -411,8 +475,9 @@ def report(rows: list[Row], overlap: list, args, command: str, target: Path, dra
         args.json.write_text(json.dumps([
             {"row": r.name, "budget": r.budget, "policy": r.policy, "speculative": r.speculative, "slots": r.n_slots,
              "predicted_tok_s": r.predicted, "measured_tok_s": r.measured, "error": r.predicted / r.measured - 1,
-             "tokens": r.tokens, "seconds": r.seconds, "measured_hit": r.measured_hit, "copies": r.copies,
-             **{f"sim_{k}": v for k, v in r.sim.items()}}
+             "measured_runs_tok_s": [run.measured for run in r.runs], "tokens": r.total("tokens"),
+             "seconds": r.total("seconds"), "measured_hit": r.measured_hit, "copies": r.total("copies"),
+             **{f"sim_{k}": r.sim_total(k) for k in r.runs[0].sim}}
             for r in rows] + [{**o, "predicted_tok_s": None, "measured_tok_s": None,
                                "error": o["predicted_s"] / o["measured_s"] - 1} for o in overlap], indent=1) + "\n")
 

@@ -18,12 +18,15 @@ class StepRouting:
     selected: int32 [n_tokens, n_layer, top_k]   expert ids chosen per token per MoE layer
     weights:  float32 [n_tokens, n_layer, top_k] their routing weights
     n_drafted / n_accepted: draft tokens proposed / accepted in this step
+    position: tokens in the target's KV cache before the pass (None: not known), which its
+              attention reads
     """
 
     selected: np.ndarray
     weights: np.ndarray | None = None
     n_drafted: int = 0
     n_accepted: int = 0
+    position: int | None = None
 
     @property
     def n_tokens(self) -> int:

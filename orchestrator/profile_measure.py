@@ -21,12 +21,17 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
                           device; the hidden state going to the host costs the same again (it
                           happens in both engines, so it cannot be told apart from the pass: the
                           one assumption of the measurement)
-    non-expert part       base_d(n) minus that one-way crossing, affine in n, per non-expert byte
+    non-expert part       base_d(n) minus that one-way crossing and the attention over the
+                          prefix, affine in n, per non-expert byte
+    attention             the device half alone with nothing resident (the non-expert part and
+                          the crossings) after 16, 144 and 272 tokens of context: c(n) + p ·
+                          (a + n · b), per byte of KV cache of the context (a: reading it once
+                          per pass, b: each token's dot products with it)
     copy                  the copy engine's busy time per byte while it filled the pool
     draft                 single-token decodes of the draft on the host (its routing exported,
                           as the live loop does), per token and per byte it reads
-    every context holds 256 cells, the attention window of any run with fewer than 256 tokens
-    in its cache (longer sequences attend over more; the profile does not model that growth)
+    every context holds at least 256 cells, the attention window of any run with fewer than 256
+    tokens in its cache; the time still grows with the tokens in it (masked cells cost little)
 
 Each rate is per byte of the weights read, so a profile measured on one model predicts another
 of the same weight type. Every timed pass routes a new random batch (`repeats` per point), as a
@@ -63,6 +68,9 @@ LEVELS = (0.0, 0.5, 1.0)  # share of the used experts resident
 # the passes timed here (a context just big enough for them would attend over a few dozen and
 # time the attention several times too cheap)
 N_CTX = 256
+# attention: the same passes after this many more tokens of context (the cost grows with the
+# tokens in the cache, not with the cells attended over)
+CONTEXT = (0, 128, 256)
 # the live session's batch (SessionConfig.n_batch): the passes are timed with the graph and
 # buffers llama.cpp sizes for the ubatch the session uses
 N_BATCH = 512
@@ -91,11 +99,11 @@ class _Bench:
     """One context with its own engine (or none) on the shared model; timed passes of fixed batches."""
 
     def __init__(self, model, path: Path, device: str | None, n_threads: int, prefix: np.ndarray,
-                 budget_bytes: int, **engine_args):
+                 budget_bytes: int, n_ctx: int = N_CTX, **engine_args):
         from orchestrator.llm import Context
         from orchestrator.native import ExpertEngine, Routing
 
-        self.ctx = Context(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=n_threads)
+        self.ctx = Context(model, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=n_threads)
         self.engine = ExpertEngine(self.ctx.ptr, path, device=device, budget_bytes=budget_bytes, **engine_args)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self.ctx.decode(prefix, logits_all=False)
@@ -119,6 +127,11 @@ class _Bench:
         ids = self.routing.last()[0].copy()
         self.ctx.trim(self.base)
         return dt, ids
+
+    def extend(self, tokens: np.ndarray) -> None:
+        """More context before the timed passes."""
+        self.ctx.decode(tokens, logits_all=False)
+        self.base = self.ctx.n_past
 
     def close(self) -> None:
         self.engine.close()
@@ -168,6 +181,20 @@ def _knot_weights(m: np.ndarray, knots) -> np.ndarray:
         out[i] += 1.0 - f
         out[i + 1] += f
     return out
+
+
+def _fit_attention(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """Least squares of time = c(n) + position · (a + n · b) over (n, position, time) rows: (a, b),
+    seconds per token of context per pass and per token of the pass."""
+    sizes = sorted({n for n, _, _ in rows})
+    x = np.zeros((len(rows), len(sizes) + 2))
+    y = np.zeros(len(rows))
+    for r, (n, pos, t) in enumerate(rows):
+        x[r, sizes.index(n)] = 1.0
+        x[r, -2:] = pos, pos * n
+        y[r] = t
+    sol, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return max(float(sol[-2]), 0.0), max(float(sol[-1]), 0.0)
 
 
 def _fit(rows: list[tuple[int, np.ndarray, float]], tokens) -> tuple[tuple, np.ndarray, dict]:
@@ -259,7 +286,22 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
             finally:
                 bench.close()
 
+        # the non-expert part alone (device half, nothing resident) after more and more context
+        progress("attention: " + ", ".join(str(PREFIX + c) for c in CONTEXT) + " tokens of context")
+        attention = []
+        bench = _Bench(model, model_path, device, n_threads, prefix, budget, n_ctx=N_CTX + max(CONTEXT),
+                       only_half="device", skip_absent=not on_cpu_pool)
+        try:
+            for extra in CONTEXT:
+                bench.extend(rng.integers(0, model.n_vocab, PREFIX + extra - bench.base))
+                for n in tokens:
+                    bench.run(n, batches[0])
+                    attention += [(n, bench.base, bench.run(n, batch)[0]) for batch in batches[1:]]
+        finally:
+            bench.close()
+
         progress("fitting")
+        att_a, att_b = _fit_attention(attention)
         if raw is not None:
             raw.update(timed)
         sizes, dev_t, base_d = _fit(timed["device"], tokens)
@@ -274,6 +316,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         else:  # layers on the host: the device half alone pays the round trip, the host half none
             crossing = float(np.median([max(base_d[n] - base_h[n], 0.0) / n_layer for n in tokens]))
             ne = np.array([base_h[n] for n in tokens])
+        ne -= PREFIX * (att_a + att_b * np.array(tokens))  # the passes above attended over the prefix
         ne_b, ne_a = np.polyfit(np.array(tokens, dtype=float), ne, 1)
 
         draft_file, draft_s, draft_per_byte = "", 0.0, 0.0
@@ -293,6 +336,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
             copy_bytes_per_s=check.get("copy_bytes_per_s", 0.0) or 1e9, copy_latency_s=0.0,
             crossing_s=crossing, non_expert_s_per_byte=max(float(ne_a), 0.0) / ne_bytes,
             non_expert_s_per_byte_token=max(float(ne_b), 0.0) / ne_bytes,
+            kv_s_per_byte=att_a / target.kv_bytes_per_token, kv_s_per_byte_token=att_b / target.kv_bytes_per_token,
             draft_s_per_byte=draft_per_byte or float(host_t[0]) / w_e, draft_s_per_token=draft_s, draft_file=draft_file,
             zero_slot=not (on_cpu_pool or skip_absent), overlap=not on_cpu_pool,
             non_expert_on="device" if layers_on_device else "host",
@@ -312,7 +356,7 @@ def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
     costs = profiles.CostModel.from_measured(prof, target, quant=quant)
     predicted, measured = {}, {}
     for n, t, counts, resident in passes:
-        total = costs.fixed_pass_time(n)
+        total = costs.fixed_pass_time(n, PREFIX)
         for layer in range(counts.shape[0]):
             c, r = counts[layer], resident[layer]
             dev = float(costs.gpu_expert_s(c[(c > 0) & r]).sum())
@@ -326,7 +370,7 @@ def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
                 both = max(dev + costs.sync_s, host)
             else:
                 both = max(dev + costs.sync_serial_s, host + costs.sync_s)
-            total += costs.dense_layer_time(n) + both
+            total += costs.dense_layer_time(n, PREFIX) + both
         predicted.setdefault(n, []).append(total)
         measured.setdefault(n, []).append(t)
     out = {}

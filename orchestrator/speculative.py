@@ -427,8 +427,9 @@ class Session:
         """Routing of the verify pass → policy → plan, handed to the engine before drafting."""
         t0 = time.perf_counter()
         ids, weights = self.routing.last()
+        # the cache now holds what it held before the pass plus the accepted drafts and the pass's first token
         routing = StepRouting(selected=ids.transpose(1, 0, 2), weights=weights.transpose(1, 0, 2),
-                              n_drafted=n_drafted, n_accepted=n_accepted)
+                              n_drafted=n_drafted, n_accepted=n_accepted, position=self.ctx.n_past - n_accepted - 1)
         policy, engine = self.policy, self.engine
         if self._plan_in_force is not None:
             self.recorder.hot_cold(self._plan_in_force.utility, self._plan_in_force.threshold,
@@ -441,7 +442,7 @@ class Session:
         self.recorder.plan(plan.threshold, time.perf_counter() - t0)
         if self.on_step is not None:
             self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
-                                     n_drafted=n_drafted, n_accepted=n_accepted))
+                                     n_drafted=n_drafted, n_accepted=n_accepted, position=routing.position))
 
     @property
     def _observes(self) -> bool:

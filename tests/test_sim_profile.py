@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -53,6 +54,23 @@ def test_faster_device_predicts_faster_run(tmp_path, policy):
     fast = replace(MACHINE, device_rates={"Q4_K": ((1, 4), (1e-11, 1.2e-11))}, non_expert_s_per_byte=1e-11)
     slow_link = replace(MACHINE, crossing_s=5e-3)
     assert tokens_per_s(fast, tmp_path, policy) > base > tokens_per_s(slow_link, tmp_path, policy)
+
+
+def test_attention_grows_with_the_recorded_context(tmp_path):
+    """A profile with an attention term predicts a slower run for the same routing further into the
+    context; a trace without positions, or a profile without the term, is unchanged by them."""
+    attending = replace(MACHINE, kv_s_per_byte=1e-10, kv_s_per_byte_token=2e-10)
+    assert read_measured(write_measured(tmp_path / "a.toml", attending)).kv_s_per_byte_token == 2e-10
+    trace = family_trace("gpt-oss-20b", 12, gamma=4, acceptance=0.8, seed=1)
+
+    def run(machine, position):
+        at = None if position is None else np.full(trace.n_steps, position, dtype=np.int32)
+        path = write_measured(tmp_path / f"{id(machine)}.toml", machine)
+        config = SimConfig(hardware=str(path), model="gpt-oss-20b", draft="qwen3-0.6b", cache_ratio=0.25)
+        return Simulator(replace(trace, position=at), config).run(make_policy("static")).tokens_per_s
+
+    assert run(attending, 4000) < run(attending, 100) < run(attending, 0) == run(attending, None)
+    assert run(MACHINE, 4000) == run(MACHINE, 0)
 
 
 def test_bad_files(tmp_path):

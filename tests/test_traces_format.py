@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zipfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -47,6 +48,25 @@ def test_without_optional_arrays(tmp_path):
     rng = np.random.default_rng(1)
     t = read_trace(write_trace(tmp_path / "t.npz", [random_step(rng, 2, 1, weights=False)]))
     assert t.weights is None and t.draft_selected is None and t.step(0).weights is None
+    assert t.position is None and t.step(0).position is None
+
+
+def test_positions_round_trip(tmp_path):
+    rng = np.random.default_rng(7)
+    steps = [replace(random_step(rng, 3, a), position=p) for a, p in [(1, 11), (3, 13), (0, 17)]]
+    t = read_trace(write_trace(tmp_path / "t.npz", steps))
+    assert [t.step(i).position for i in range(3)] == [11, 13, 17]
+    assert t.head(2).position.tolist() == [11, 13]
+    w = TraceWriter(tmp_path / "u.npz", n_layer=L, n_expert=E, top_k=K)
+    w.append(steps[0])
+    with pytest.raises(TraceError, match="position must be given for every step"):
+        w.append(replace(steps[1], position=None))
+    with pytest.raises(TraceError, match="negative position"):
+        w.append(replace(steps[1], position=-1))
+    with pytest.raises(TraceError, match="negative position at step 1"):
+        read_trace(rewrite(tmp_path / "t.npz", position=np.array([11, -2, 17], dtype=np.int32)))
+    with pytest.raises(TraceError, match="one entry per step"):
+        read_trace(rewrite(tmp_path / "t.npz", position=np.array([11, 13], dtype=np.int32)))
 
 
 def test_truncated_file(tmp_path):

@@ -68,6 +68,19 @@ def test_recorded_trace_matches_the_live_steps(live_run):
         assert (trace.n_drafted[i], trace.n_accepted[i]) == (routing.n_drafted, routing.n_accepted)
 
 
+def test_recorded_positions_follow_the_accepted_tokens(live_run):
+    """Each step's position is the target's cache before its pass: it grows by the tokens the step
+    kept, and starts again with every prompt (12 tokens each)."""
+    trace, *_ = live_run
+    p = trace.position.astype(np.int64)
+    grown = p[1:] - p[:-1]
+    new_prompt = np.flatnonzero(grown < 0) + 1
+    assert len(new_prompt) == 2
+    assert set(p[np.r_[0, new_prompt]].tolist()) == {12}
+    kept = np.delete(trace.n_accepted[:-1] + 1, new_prompt - 1)
+    np.testing.assert_array_equal(np.delete(grown, new_prompt - 1), kept)
+
+
 def test_replay_makes_the_live_plans(live_run):
     trace, policy, calls = live_run
     replay = make_policy("moe-spac-paper")

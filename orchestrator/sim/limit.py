@@ -58,14 +58,15 @@ class Limit:
         return self.tokens / self.time_s if self.time_s > 0 else float("nan")
 
 
-def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True, n_tokens: int = 1) -> np.ndarray:
+def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True, n_tokens: int = 1,
+                position: int = 0) -> np.ndarray:
     """c_l(j), j = 0..m: the least time of one layer with at most j of its m needed experts
     resident (counts: token counts of the needed experts, all > 0). fetch=False: no in-pass
-    copies (a pool of 0 slots has none to copy into). n_tokens: the pass's tokens (non-expert
-    time of measured profiles). A measured profile's crossing in every layer and zero slot
+    copies (a pool of 0 slots has none to copy into). n_tokens, position: the pass's tokens and
+    the tokens cached before it (non-expert time of measured profiles). A measured profile's crossing in every layer and zero slot
     are left out: the bound only gets looser."""
     m = len(counts)
-    dense = costs.dense_layer_time(n_tokens)
+    dense = costs.dense_layer_time(n_tokens, position)
     if m == 0:
         return np.array([dense])
     gpu = np.sort(np.asarray(costs.gpu_expert_s(counts), dtype=np.float64))
@@ -85,11 +86,11 @@ def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True, n_toke
     return dense + np.minimum.accumulate(t)
 
 
-def step_bound(counts: np.ndarray, capacity: int, costs: CostModel, n_tokens: int = 1) -> float:
+def step_bound(counts: np.ndarray, capacity: int, costs: CostModel, n_tokens: int = 1, position: int = 0) -> float:
     """Least Σ_l c_l(j_l) subject to Σ j_l ≤ capacity. counts: int [n_layer, n_expert]."""
     best = np.zeros(1)  # best[c]: least time of the layers so far using exactly ≤ c slots
     for row in counts:
-        c = layer_costs(row[row > 0], costs, fetch=capacity > 0, n_tokens=n_tokens)
+        c = layer_costs(row[row > 0], costs, fetch=capacity > 0, n_tokens=n_tokens, position=position)
         width = min(len(best) + len(c) - 1, capacity + 1)
         # new[x] = min_{j ≤ x} best[x − j] + c[j]  (best is non-increasing: extend with its last)
         padded = np.concatenate([np.full(len(c) - 1, np.inf), best,
@@ -106,8 +107,8 @@ def limit(trace: Trace, capacity: int, costs: CostModel, n_steps: int | None = N
     step_time = np.empty(n_steps)
     for s in range(n_steps):
         routing = trace.step(s)
-        n_tokens = routing.n_drafted + 1
-        step_time[s] = (routing.n_drafted * costs.draft_token_s + costs.fixed_pass_time(n_tokens)
-                        + step_bound(routing.frequency(trace.n_expert), capacity, costs, n_tokens))
+        n_tokens, position = routing.n_drafted + 1, routing.position or 0
+        step_time[s] = (routing.n_drafted * costs.draft_token_s + costs.fixed_pass_time(n_tokens, position)
+                        + step_bound(routing.frequency(trace.n_expert), capacity, costs, n_tokens, position))
     tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
     return Limit(tokens=tokens, time_s=float(step_time.sum()), step_time=step_time, capacity=capacity)

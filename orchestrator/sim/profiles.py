@@ -188,6 +188,11 @@ class CostModel:
     cpu_table: tuple | None = None
     dense_layer_token_s: float = 0.0  # dense_layer_s grows by this per token of the pass
     fixed_pass_token_s: float = 0.0   # fixed_pass_s grows by this per token of the pass
+    # attention over the KV cache: one block's time per token of context, per pass and per token of
+    # the pass (reading the cache, and each token's dot products with it); 0 without a measurement
+    attention_block_s: float = 0.0
+    attention_block_token_s: float = 0.0
+    n_dense_block: int = 0            # blocks without experts, whose attention is in fixed_pass_time
     sync_every_layer: bool = False   # the crossing is paid by every MoE layer, not only those with a host half
     zero_slot: bool = False          # the device computes absent experts' tokens with the all-zero slot
     transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
@@ -253,6 +258,7 @@ class CostModel:
         dense = target.n_dense_block * (target.dense_block_params or target.block_params) * BITS_PER_WEIGHT[quant] / 8
         fixed_share = (head + dense) / ne if ne else 0.0
         per_pass, per_token = ne * hw.non_expert_s_per_byte, ne * hw.non_expert_s_per_byte_token
+        kv_block = target.kv_bytes_per_token / max(target.n_block, 1)  # one block's cache per token of context
         static = ne + context * target.kv_bytes_per_token
         draft_s = 0.0
         if draft is not None:
@@ -271,6 +277,8 @@ class CostModel:
             pcie_bw=hw.copy_bytes_per_s, transfer_latency_s=hw.copy_latency_s,
             dense_layer_s=share * per_pass, dense_layer_token_s=share * per_token,
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
+            attention_block_s=kv_block * hw.kv_s_per_byte, attention_block_token_s=kv_block * hw.kv_s_per_byte_token,
+            n_dense_block=target.n_dense_block,
             draft_token_s=draft_s, sync_s=hw.crossing_s, sync_every_layer=True, zero_slot=hw.zero_slot,
             overlap=hw.overlap, sync_on_device=hw.non_expert_on == "host", copy_blocks_device=hw.copy_blocks_device,
             # layers on the device: the host half's inputs come first in the graph, so the device
@@ -283,13 +291,18 @@ class CostModel:
     def transfer_s(self) -> float:
         return self.transfer_latency_s + self.expert_bytes / self.pcie_bw
 
-    def dense_layer_time(self, n_tokens: int) -> float:
-        """One MoE block's non-expert part in a pass of n_tokens tokens."""
-        return self.dense_layer_s + n_tokens * self.dense_layer_token_s
+    def attention_time(self, n_tokens: int, position: int) -> float:
+        """One block's attention over `position` tokens of KV cache, for a pass of n_tokens tokens."""
+        return position * (self.attention_block_s + n_tokens * self.attention_block_token_s)
 
-    def fixed_pass_time(self, n_tokens: int) -> float:
-        """A pass's dense blocks and output head at n_tokens tokens."""
-        return self.fixed_pass_s + n_tokens * self.fixed_pass_token_s
+    def dense_layer_time(self, n_tokens: int, position: int = 0) -> float:
+        """One MoE block's non-expert part in a pass of n_tokens tokens after `position` cached ones."""
+        return self.dense_layer_s + n_tokens * self.dense_layer_token_s + self.attention_time(n_tokens, position)
+
+    def fixed_pass_time(self, n_tokens: int, position: int = 0) -> float:
+        """A pass's dense blocks and output head at n_tokens tokens after `position` cached ones."""
+        return (self.fixed_pass_s + n_tokens * self.fixed_pass_token_s
+                + self.n_dense_block * self.attention_time(n_tokens, position))
 
     def gpu_expert_s(self, n_tokens):
         """Device time of experts with n_tokens tokens each (array or scalar)."""
@@ -346,8 +359,11 @@ class MeasuredProfile:
 
     Rates are seconds per byte of the weights read. `host`/`device`: {type: ((tokens...),
     (s_per_byte...))}: one expert's matmuls (MUL_MAT_ID, the kernels and layouts spac runs) with
-    that many tokens, per byte of the expert. Non-expert part of a pass of n tokens:
-    bytes · (s_per_byte + n · s_per_byte_token)."""
+    that many tokens, per byte of the expert. Non-expert part of a pass of n tokens after p tokens
+    of context: bytes · (s_per_byte + n · s_per_byte_token) + p · KV bytes per token ·
+    (kv_s_per_byte + n · kv_s_per_byte_token): attention reads the cache once per pass and every
+    token of the pass computes with all of it. Per KV byte is exact for models with the measured
+    model's ratio of query heads to KV heads (the compute part scales with query heads)."""
 
     key: str
     name: str
@@ -363,6 +379,8 @@ class MeasuredProfile:
     non_expert_s_per_byte: float
     non_expert_s_per_byte_token: float
     draft_s_per_byte: float
+    kv_s_per_byte: float = 0.0        # 0: not measured (a profile from before it was)
+    kv_s_per_byte_token: float = 0.0
     draft_s_per_token: float = 0.0
     draft_file: str = ""
     zero_slot: bool = True
@@ -416,6 +434,8 @@ def read_measured(path: str | Path) -> MeasuredProfile:
             crossing_s=float(data["crossing"]["s"]),
             non_expert_s_per_byte=float(data["non_expert"]["s_per_byte"]),
             non_expert_s_per_byte_token=float(data["non_expert"]["s_per_byte_token"]),
+            kv_s_per_byte=float(data["non_expert"].get("s_per_kv_byte", 0.0)),
+            kv_s_per_byte_token=float(data["non_expert"].get("s_per_kv_byte_token", 0.0)),
             draft_s_per_byte=float(data["draft"]["s_per_byte"]),
             draft_s_per_token=float(data["draft"].get("s_per_token", 0.0)),
             draft_file=str(data["draft"].get("file", "")), zero_slot=bool(p.get("zero_slot", True)),
@@ -458,8 +478,11 @@ def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -
               "[crossing]   # per split MoE layer and pass: hidden state to the host and the host half's output back",
               f"s = {num(prof.crossing_s)}", "",
               "[non_expert]   # a pass outside the routed experts (profile.non_expert_on): non-expert bytes × (a + tokens × b)",
+              "               # + KV bytes of the context × (s_per_kv_byte + tokens × s_per_kv_byte_token)",
               f"s_per_byte = {num(prof.non_expert_s_per_byte)}",
-              f"s_per_byte_token = {num(prof.non_expert_s_per_byte_token)}", "",
+              f"s_per_byte_token = {num(prof.non_expert_s_per_byte_token)}",
+              f"s_per_kv_byte = {num(prof.kv_s_per_byte)}",
+              f"s_per_kv_byte_token = {num(prof.kv_s_per_byte_token)}", "",
               "[draft]   # one draft token on the host: s_per_token for this file, else its bytes × s_per_byte",
               f"file = {text(prof.draft_file)}", f"s_per_token = {num(prof.draft_s_per_token)}",
               f"s_per_byte = {num(prof.draft_s_per_byte)}", ""]

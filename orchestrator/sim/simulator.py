@@ -5,7 +5,8 @@ One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
     drafting   γ draft tokens on the device; the copy engine runs meanwhile, serving the plan
                the policy made after the previous pass (one PCIe link, copies back to back)
     verify     the dense blocks and output head, then per MoE layer in order (non-expert times
-               grow with the pass's tokens where the profile is measured):
+               grow with the pass's tokens, and attention with the tokens cached before it
+               when the trace records them, where the profile is measured):
                  dense part of the block
                  device half: every needed expert that is on the device, one call per
                    distinct expert (time by its token count)
@@ -318,13 +319,14 @@ class Simulator:
         at_start = pool.allocated.copy()
         evicted = np.zeros_like(pool.allocated)  # evicted by an in-pass copy
         n_tokens = routing.n_drafted + 1
-        t = start + c.fixed_pass_time(n_tokens)
+        position = routing.position or 0  # a trace without positions: attention over no cache
+        t = start + c.fixed_pass_time(n_tokens, position)
         dense_on_device = not c.sync_on_device  # where the non-expert part runs (measured profiles)
         if dense_on_device:
-            stats["device_busy"] += c.fixed_pass_time(n_tokens) + n_layer * c.dense_layer_time(n_tokens)
+            stats["device_busy"] += c.fixed_pass_time(n_tokens, position) + n_layer * c.dense_layer_time(n_tokens, position)
         for layer in range(n_layer):
             t_layer = t
-            t += c.dense_layer_time(n_tokens)
+            t += c.dense_layer_time(n_tokens, position)
             n = counts[layer]
             need = n > 0
             policy.on_layer(layer, n, weights[layer])  # the router has run: the layer's experts are in use

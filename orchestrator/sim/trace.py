@@ -22,6 +22,9 @@ File format, version 1 (numpy `.npz`, readable with `np.load(path, allow_pickle=
     selected        int16 [n_rows, n_layer, top_k]        expert ids, rows = verified tokens of all steps
                                                           in order; step t owns n_drafted[t] + 1 rows
     weights         float16 [n_rows, n_layer, top_k]      (optional) routing weights of `selected`
+    position        int32 [n_steps]                       (optional) tokens in the target's KV cache before
+                                                          the step's pass (the prompt and every token
+                                                          accepted before it): what its attention reads
     draft_selected  int16 [n_draft_rows, n_layer, top_k]  (optional) the draft's own routing while it
                                                           drafted, when the draft is an MoE of the same
                                                           shape; step t owns n_drafted[t] rows (the
@@ -77,6 +80,7 @@ class Trace:
     selected: np.ndarray
     weights: np.ndarray | None = None
     draft_selected: np.ndarray | None = None
+    position: np.ndarray | None = None
     model: str = ""
     layer_index: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
@@ -121,6 +125,7 @@ class Trace:
             weights=None if self.weights is None else self.weights[rows],
             n_drafted=int(self.n_drafted[i]),
             n_accepted=int(self.n_accepted[i]),
+            position=None if self.position is None else int(self.position[i]),
         )
 
     def steps(self) -> Iterator[StepRouting]:
@@ -143,6 +148,7 @@ class Trace:
             selected=self.selected[:end],
             weights=None if self.weights is None else self.weights[:end],
             draft_selected=None if self.draft_selected is None else self.draft_selected[:dend],
+            position=None if self.position is None else self.position[:n_steps],
             model=self.model, layer_index=self.layer_index, meta=dict(self.meta),
         )
 
@@ -161,6 +167,8 @@ class Trace:
             arrays["weights"] = self.weights.astype(WEIGHT_DTYPE)
         if self.draft_selected is not None:
             arrays["draft_selected"] = self.draft_selected.astype(EXPERT_DTYPE)
+        if self.position is not None:
+            arrays["position"] = self.position.astype(np.int32)
         return _write_npz_atomic(Path(path), arrays)
 
 
@@ -198,6 +206,7 @@ class TraceWriter:
         self._draft: list[np.ndarray] = []
         self._n_drafted: list[int] = []
         self._n_accepted: list[int] = []
+        self._position: list[int] = []
         self._closed = False
 
     @property
@@ -219,6 +228,10 @@ class TraceWriter:
             raise TraceError(f"step {step}: routing weights must be given for every step or for none")
         if self.n_steps and (draft_selected is None) != (not self._draft):
             raise TraceError(f"step {step}: draft routing must be given for every step or for none")
+        if self.n_steps and (routing.position is None) != (not self._position):
+            raise TraceError(f"step {step}: the position must be given for every step or for none")
+        if routing.position is not None and routing.position < 0:
+            raise TraceError(f"step {step}: negative position {routing.position}")
         _check_ids(routing.selected, self.n_expert, f"step {step}: selected")
         if routing.weights is not None and routing.weights.shape != shape:
             raise TraceError(f"step {step}: weights has shape {routing.weights.shape}, expected {shape}")
@@ -235,6 +248,8 @@ class TraceWriter:
             self._draft.append(np.asarray(draft_selected, dtype=EXPERT_DTYPE))
         self._n_drafted.append(int(routing.n_drafted))
         self._n_accepted.append(int(routing.n_accepted))
+        if routing.position is not None:
+            self._position.append(int(routing.position))
 
     def to_trace(self) -> Trace:
         empty = np.zeros((0, self.n_layer, self.top_k), dtype=EXPERT_DTYPE)
@@ -245,6 +260,7 @@ class TraceWriter:
             selected=np.concatenate(self._selected) if self._selected else empty,
             weights=np.concatenate(self._weights) if self._weights else None,
             draft_selected=np.concatenate(self._draft) if self._draft else None,
+            position=np.array(self._position, dtype=np.int32) if self._position else None,
             model=self.model, layer_index=self.layer_index, meta=self.meta,
         )
 
@@ -294,7 +310,7 @@ def read_trace(path: str | Path) -> Trace:
         return Trace(
             n_layer=_scalar(data, "n_layer"), n_expert=_scalar(data, "n_expert"), top_k=_scalar(data, "top_k"),
             n_drafted=data["n_drafted"], n_accepted=data["n_accepted"], selected=data["selected"],
-            weights=data.get("weights"), draft_selected=data.get("draft_selected"),
+            weights=data.get("weights"), draft_selected=data.get("draft_selected"), position=data.get("position"),
             model=str(data["model"]), layer_index=data["layer_index"], meta=meta,
         )
     except TraceError as e:
@@ -337,6 +353,12 @@ def _validate(t: Trace, where: str) -> None:
             raise TraceError("weights contain NaN or infinity")
     if t.draft_selected is not None:
         _check_routing(t.draft_selected, "draft_selected", rows - len(t.n_drafted), t, "n_drafted per step")
+    if t.position is not None:
+        if t.position.shape != t.n_drafted.shape or not np.issubdtype(t.position.dtype, np.integer):
+            raise TraceError(f"position must be an integer array of one entry per step ({len(t.n_drafted)}), "
+                             f"got {t.position.dtype} {t.position.shape}")
+        if (t.position < 0).any():
+            raise TraceError(f"negative position at step {int(np.argmax(t.position < 0))}")
 
 
 def _check_routing(a: np.ndarray, name: str, rows: int, t: Trace, rule: str) -> None:
