@@ -30,16 +30,17 @@ def test_zoo_computes_every_miss_on_the_host():
 
 
 def test_miss_rules_by_hand():
-    # 2 layers × 3 needed experts, pool of 2 slots, nothing resident before step 0 (paced: the
-    # draft's 2 ms leave the 5 ms copies no time to land before the pass):
+    # 2 layers × 3 needed experts, pool of 2 slots that the first plan fills; nothing else lands
+    # before step 0 (paced: the draft's 2 ms leave the 5 ms copies no time before the pass):
     # host: every miss on the host, nothing copied in the pass
     host = run(LookaheadUtility(miss="cpu", paced=True), capacity=2, n_steps=1)
-    assert host.fetch_share == 0 and host.cpu_share == 1 and host.fetch_bytes == 0
+    assert host.fetch_share == 0 and host.fetch_bytes == 0 and 0 < host.hit_rate < 1
+    assert host.cpu_share == pytest.approx(1 - host.hit_rate)
     # fetch: every miss copied and computed on the device
     fetch = run(LookaheadUtility(miss="fetch", paced=True), capacity=2, n_steps=1)
-    assert fetch.cpu_share == 0 and fetch.fetch_share == 1
-    # greedy: copies only what lands before the host would finish (copy 5 ms + 1 vs host 10 ms):
-    # per layer the hottest expert is copied, the other two go to the host
+    assert fetch.cpu_share == 0 and fetch.fetch_share == pytest.approx(1 - fetch.hit_rate)
+    # greedy: copies only what lands before the host would finish (copy 5 ms + 1 vs host 10 ms),
+    # the rest goes to the host
     greedy = run(LookaheadUtility(miss="greedy", paced=True), capacity=2, n_steps=1)
     assert 0 < greedy.fetch_share < 1 and 0 < greedy.cpu_share < 1
     assert greedy.step_time[0] < min(host.step_time[0], fetch.step_time[0])
@@ -73,18 +74,41 @@ def test_pacing_keeps_the_last_copy_time_and_follows_the_device():
     """A step without copies measures no copy time (NaN): the policy keeps the last one rather
     than stop pacing; it paces only where copies block the device (paced='auto')."""
     def feedback(t_io, blocks):
-        return step_feedback(t_io, t_draft=1e-3, blocks=blocks, free=4, n_drafted=2)
+        return step_feedback(t_io, t_draft=1e-3, blocks=blocks, free=0, n_drafted=2)
 
     ctx = PolicyContext(n_layer=2, n_expert=8, top_k=2, capacity=6, gamma=2)
     paced = LookaheadUtility(miss="cpu")
     paced.reset(ctx)
+    step = StepRouting(selected=np.array([[[0, 1], [2, 3]]] * 3), weights=np.full((3, 2, 2), 0.5), n_drafted=2,
+                       n_accepted=2)
+    full = np.zeros((2, 8), bool)
+    full[:, :3] = True  # 6 slots, all taken
     paced.plan(None, np.zeros((2, 8), bool), feedback(1e-3, True))
     assert paced.t_io == 1e-3
-    plan = paced.plan(None, np.zeros((2, 8), bool), feedback(np.nan, True))
+    plan = paced.plan(step, full, feedback(np.nan, True))
     assert paced.t_io == 1e-3 and len(plan.prefetch) == 2  # two draft tokens' time, 1 ms a copy
     free = LookaheadUtility(miss="cpu")
     free.reset(ctx)
     assert len(free.plan(None, np.zeros((2, 8), bool), feedback(1e-3, False)).prefetch) == 6
+
+
+def test_the_pool_fills_however_short_the_drafting_window():
+    """Speculative, on a device that copies on its compute thread, with drafts faster than a copy
+    (no copy fits the window): the first plan still fills the pool, and later plans fill free
+    slots; swaps stay paced to the window (none here)."""
+    ctx = PolicyContext(n_layer=2, n_expert=8, top_k=2, capacity=6, gamma=4)
+    step = StepRouting(selected=np.array([[[0, 1], [2, 3]]] * 5), weights=np.full((5, 2, 2), 0.5), n_drafted=4,
+                       n_accepted=4)
+    policy = LookaheadUtility(miss="cpu")
+    policy.reset(ctx)
+    empty = np.zeros((2, 8), bool)
+    assert len(policy.plan(None, empty, step_feedback(4e-3, 0.25e-3, True, free=6, n_drafted=0)).prefetch) == 6
+    partly = empty.copy()
+    partly[0, 4:8] = True  # 2 slots free; the plan wants experts 0-3 of both layers
+    assert len(policy.plan(step, partly, step_feedback(4e-3, 0.25e-3, True, free=2, n_drafted=4)).prefetch) == 2
+    full = partly.copy()
+    full[1, 6:8] = True
+    assert len(policy.plan(step, full, step_feedback(4e-3, 0.25e-3, True, free=0, n_drafted=4)).prefetch) == 0
 
 
 def test_no_copies_without_a_draft_where_copies_block_the_device():

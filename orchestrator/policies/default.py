@@ -21,9 +21,10 @@ step, how often an expert in that cell was used by the following verify pass, an
 is that empirical probability p (Beta(1, 1) prior). No constant is tuned to a model or trace.
 
 Plan: want the `capacity` experts of highest p (global, not per layer: a layer whose routing is
-spread needs more slots), prefetch in p order, evict lowest p first. Copies are issued only as
-far as the link can finish them before the verify pass starts (measured copy and draft times
-from `Feedback`) where copies would delay the pass (`Feedback.copies_block_device`: an RPC
+spread needs more slots), prefetch in p order, evict lowest p first. The first plan fills the
+pool, and free slots are always filled. Copies that evict are issued only as far as the link
+can finish them before the verify pass starts (measured copy and draft times from `Feedback`)
+where copies would delay the pass (`Feedback.copies_block_device`: an RPC
 server copies on its compute thread); a GPU copies while it computes, so there every wanted
 expert is issued at once (`paced="auto"`; an H100 run that paced filled 116 of 256 slots in 27
 verify steps and hit 0.25 where static placement hit 0.53). Without a draft (autoregressive)
@@ -141,11 +142,13 @@ class LookaheadUtility(Policy):
             # against 10.4 for a pool that stays as filled), so only free slots are still filled
             # (a new plan drops the first plan's copies that had not started)
             prefetch = prefetch[:max(self.free_slots, 0)]
-        elif paced and self.t_io > 0 and self.t_draft > 0:
-            # issue only what the link finishes before the verify pass starts
+        elif paced and self.t_io > 0 and self.t_draft > 0 and not filling:
+            # issue only what the link finishes before the verify pass starts; free slots are
+            # filled whatever the window (once: the pool then stays full), else a draft faster
+            # than one copy would never fill it (RPC device: 8 drafts took 2.2 ms, a copy 4 ms)
             start = max(self.elapsed, self.link_free)
             budget = int(max(tokens_left * self.t_draft - (start - self.elapsed), 0.0) // self.t_io)
-            prefetch = prefetch[:budget]
+            prefetch = prefetch[:max(budget, self.free_slots)]
             self.link_free = start + len(prefetch) * self.t_io
         evict = order_rows(score, resident & ~wanted)
         return Plan(utility=wanted.astype(np.uint8), threshold=np.ones(self.ctx.n_layer, dtype=np.int32),
