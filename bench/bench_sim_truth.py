@@ -3,8 +3,9 @@
     python bench/bench_sim_truth.py [-m runs/mb/olmoe-bytes-f16.gguf] [-md DRAFT] [-n 64] [--prompts 3]
                                     [--json rows.json] [--profile FILE]
 
-1. Profile: `spac sim profile measure` of this machine, on the target's own file: the host with
-   1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
+1. Profile: `spac sim profile measure` of this machine, on the target's own file, with 9 timed
+   passes per point (--profile-repeats; the one-token expert time moved by 10% between two
+   profiles of 3): the host with 1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
    the draft's tokens on the host (orchestrator/profile_measure.py), the host and the RPC server
    pinned to one CPU each for the whole run (--no-pin leaves them to the scheduler). --profile FILE
    reuses one.
@@ -352,6 +353,8 @@ def main() -> None:
                     help="live runs of every row, interleaved (their spread decides which rows differ)")
     ap.add_argument("-c", "--ctx-size", type=int, default=512)
     ap.add_argument("--profile", type=Path, help="reuse this measured profile instead of measuring one")
+    ap.add_argument("--profile-repeats", type=int, default=9,
+                    help="timed passes per point of the profile (spac sim profile measure's --repeats; 3 there)")
     ap.add_argument("--keep-profile", type=Path, help="also keep the measured profile here")
     ap.add_argument("--json", type=Path, help="also write the rows here (a JSON list of objects)")
     ap.add_argument("--no-overlap", action="store_true", help="leave out the overlap bench's rows")
@@ -393,7 +396,7 @@ def main() -> None:
         if profile is None and rows:
             profile = args.keep_profile or tmp / "profile.toml"
             t = time.monotonic()
-            prof = measure(target, device, args.threads, draft, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
+            prof = measure(target, device, args.threads, draft, repeats=args.profile_repeats, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
                                                                                  flush=True))
             profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
             print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
