@@ -396,8 +396,8 @@ def main() -> None:
         if profile is None and rows:
             profile = args.keep_profile or tmp / "profile.toml"
             t = time.monotonic()
-            prof = measure(target, device, args.threads, draft, repeats=args.profile_repeats, progress=lambda s: print(f"  profile: {s}", file=sys.stderr,
-                                                                                 flush=True))
+            prof = measure(target, device, args.threads, draft, repeats=args.profile_repeats,
+                           progress=lambda s: print(f"  profile: {s}", file=sys.stderr, flush=True))
             profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
             print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
         for repeat in range(args.repeats):

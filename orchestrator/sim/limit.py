@@ -63,8 +63,8 @@ def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True, n_toke
     """c_l(j), j = 0..m: the least time of one layer with at most j of its m needed experts
     resident (counts: token counts of the needed experts, all > 0). fetch=False: no in-pass
     copies (a pool of 0 slots has none to copy into). n_tokens, position: the pass's tokens and
-    the tokens cached before it (non-expert time of measured profiles). A measured profile's crossing in every layer and zero slot
-    are left out: the bound only gets looser."""
+    the tokens cached before it (non-expert time of measured profiles). A measured profile's
+    crossing in every layer and zero slot are left out: the bound only gets looser."""
     m = len(counts)
     dense = costs.dense_layer_time(n_tokens, position)
     if m == 0:

@@ -323,7 +323,8 @@ class Simulator:
         t = start + c.fixed_pass_time(n_tokens, position)
         dense_on_device = not c.sync_on_device  # where the non-expert part runs (measured profiles)
         if dense_on_device:
-            stats["device_busy"] += c.fixed_pass_time(n_tokens, position) + n_layer * c.dense_layer_time(n_tokens, position)
+            stats["device_busy"] += (c.fixed_pass_time(n_tokens, position)
+                                     + n_layer * c.dense_layer_time(n_tokens, position))
         for layer in range(n_layer):
             t_layer = t
             t += c.dense_layer_time(n_tokens, position)
