@@ -23,7 +23,7 @@ JSON file (`cache_path()`: $SPAC_CACHE_DIR or the user cache dir, `spac/calibrat
 `load_or_calibrate(force=True)` (`spac ... --recalibrate`) measures again.
 
 This module only measures: it drives the pool through the engine it is given and leaves it
-empty, and returns a value. What the pool holds afterwards, and which plan is in force, is the
+wanting nothing (what it copied stays resident until a plan needs the slots), and returns a value. What the pool holds afterwards, and which plan is in force, is the
 session's business (`Session._calibrate`).
 """
 
@@ -160,7 +160,7 @@ def load_or_calibrate(rig: Rig, force: bool = False, path: str | Path | None = N
 
 
 def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> Calibration:
-    """Run the warm-up measurement (the KV caches and the pool end up empty)."""
+    """Run the warm-up measurement (the KV caches end up empty, the pool wanting nothing)."""
     engine, routing, ctx = rig.engine, rig.routing, rig.ctx
     gamma = max(rig.gamma, 1)
     rng = np.random.default_rng(seed)

@@ -211,8 +211,8 @@ class Session:
 
     def _calibrate(self, force: bool) -> None:
         """Measure (or load) the unit costs, then start the plans over: the measurement drove the
-        pool itself and left it empty, so the policy's first plan is sent whatever was sent before,
-        and the copies made while measuring are not counted in the next step's feedback."""
+        pool itself and left it wanting nothing, so the policy's first plan is sent whatever was
+        sent before, and the copies made while measuring are not counted in the next step's feedback."""
         from orchestrator import calibrate
 
         cfg = self.cfg

@@ -137,6 +137,34 @@ def test_late_prefetch_stays_exact(models):
         model.close()
 
 
+def test_copies_refused_by_frozen_slots_are_made_once_they_thaw(models):
+    """A plan that arrives while a decode's graph still references every resident slot finds no
+    victim. Its copies are made once the context synchronizes, not only if another plan comes:
+    a plan that does not change (a static placement) is sent once."""
+    path = models["qwen3moe", "q8_0"]
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=1)
+    try:
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.5) as engine:
+            L, E = engine.n_moe_layers, engine.n_expert
+            first, second = np.zeros((L, E), np.uint8), np.zeros((L, E), np.uint8)
+            first[:, :E // 2] = K_MAX
+            second[:, E // 2:] = K_MAX
+            engine.set_plan(Plan(first, np.ones(L, np.int32)))
+            assert engine.wait_idle()
+            assert ((engine.residency() >= 0) == (first > 0)).all()  # the pool is full
+            ctx.decode(PROMPT[:3], logits_all=False)  # its graph freezes every resident slot
+            engine.set_plan(Plan(second, np.ones(L, np.int32)))
+            assert engine.wait_idle()
+            assert ((engine.residency() >= 0) == (first > 0)).all()  # no victim while frozen
+            ctx.logits()  # synchronizes: the slots thaw
+            assert engine.wait_idle()
+            assert ((engine.residency() >= 0) == (second > 0)).all()
+    finally:
+        ctx.close()
+        model.close()
+
+
 def test_routing_export_equals_eval_callback(models):
     path = models["qwen3moe", "f32"]
     from llama_cpp import llama_cpp as low

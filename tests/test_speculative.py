@@ -342,9 +342,11 @@ def test_calibration_is_measured_once_then_cached(models, tmp_path):
 
 
 def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
-    """The measurement drives the pool itself and leaves it empty. Afterwards the session's plan
-    is in force again (with --no-prefetch too, whose one static plan had been sent before), and
-    the copies made while measuring are not part of the next step's feedback."""
+    """The measurement drives the pool itself and leaves it wanting nothing. Afterwards the
+    session's plan is in force again (with --no-prefetch too, whose one static plan had been sent
+    before and must evict what the measurement copied, even if a verify pass froze those slots
+    when it arrived: patch 0015), and the copies made while measuring are not part of the next
+    step's feedback."""
     if not engine_built():
         pytest.skip("native engine not built")
     ablations = Ablations(no_prefetch=True)
