@@ -68,6 +68,7 @@ class HardwareProfile:
     layer_overhead_us: float
     sync_us: float
     gpu_tflops: float = 80.0  # not a bottleneck at ≤ 16 verified tokens; kept out of the TOML
+    prefill_tflops: float = 0.0  # the GPU's effective rate in prompt processing (spac sim prefill; 0: none given)
 
     @property
     def gpu_bw(self) -> float:
