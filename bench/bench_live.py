@@ -255,7 +255,7 @@ def main() -> None:
         rows.append(peer)
     with contextlib.ExitStack() as stack:
         if args.rpc:
-            from orchestrator.native import rpc_device  # the RPC server on 127.0.0.1, registered here
+            from orchestrator.rpc import rpc_device  # the RPC server on 127.0.0.1, registered here
 
             device = stack.enter_context(rpc_device(n_threads=1))
             cache = Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -48,7 +48,8 @@ import numpy as np
 from orchestrator.balancer import UnitCosts, WorkloadStats, solve_threshold
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
 from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, Routing, rpc_device
+from orchestrator.native import ExpertEngine, Routing
+from orchestrator.rpc import rpc_device
 from orchestrator.plan import Plan
 from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 

@@ -375,7 +375,7 @@ def main() -> None:
         print(f"writing the memory-bound target {target} (once)", file=sys.stderr)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_memory_bound_target.py"), str(target)], check=True)
 
-    from orchestrator.native import rpc_device
+    from orchestrator.rpc import rpc_device
     from orchestrator.profile_measure import cpu_name, measure, measure_to_file  # noqa: F401
     from orchestrator.sim import profiles
 

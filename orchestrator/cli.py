@@ -4,6 +4,7 @@
     spac chat
     spac calibrate
     spac serve --port 8080      (orchestrator.server)
+    spac rpc-server -p 50052    (this machine's device for --rpc elsewhere; orchestrator.rpc)
 
 Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
 ...); the block shared by generate, chat and calibrate (and serve) is declared once in
@@ -406,6 +407,35 @@ def serve(
     if error:
         fail(error)
 
+
+
+@app.command("rpc-server")
+def rpc_server(
+    host: Annotated[str, typer.Option("-H", "--host", help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("-p", "--port", help="port to listen on")] = 50052,
+    threads: Annotated[int, typer.Option("-t", "--threads", help="CPU threads of the served CPU device")] = 0,
+    device: Annotated[Optional[str], typer.Option("-d", "--device", show_default=False,
+                                                  help="ggml device to serve \\[default: the first GPU, else the CPU]")] = None,
+) -> None:
+    """Serve this machine's GPU (or CPU) to spac or llama.cpp on another machine (`--rpc HOST:PORT`
+    there), as llama.cpp's rpc-server. Unauthenticated: never on an untrusted network."""
+    from orchestrator import rpc
+    from orchestrator.native import NativeError
+    from orchestrator.options import default_threads
+
+    if not 0 < port < 65536:
+        fail(f"-p/--port must be 1..65535, got {port}")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(f"[yellow]WARNING: serving on {host}: {rpc.WARNING}[/]", soft_wrap=True)
+    try:
+        rpc.serve(f"{host}:{port}", threads if threads > 0 else default_threads(), device,
+                  on_ready=lambda: err.print(f"RPC server on {host}:{port} ({device or 'first GPU, else CPU'}); "
+                                             "Ctrl-C stops it"))
+    except NativeError as e:
+        fail(f"-d/--device or -H/-p: {e}")
+    except KeyboardInterrupt:
+        err.print("[dim]stop: interrupted[/]")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 # the command groups of other modules: the simulator's (a leaf: it never imports the session,
 # so the live `trace record` is added to its `trace` group here) and the draft tools

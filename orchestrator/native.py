@@ -5,19 +5,12 @@ its handle. `ExpertEngine` owns one `spac_engine`; routing is read through numpy
 the context's host buffer (no copies).
 
 Why ~410 lines: one ctypes binding per C function of spac.h, the two wrappers that own native
-memory (ExpertEngine, Routing), and `rpc_device`, the RPC server on 127.0.0.1 that stands in
-for a GPU in tests and benches.
+memory (ExpertEngine, Routing). The RPC backend's server and client side are orchestrator.rpc.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import socket
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
@@ -373,74 +366,7 @@ def _pairs(rows, what: str) -> np.ndarray | None:
     return arr
 
 
-_RPC_SERVER = textwrap.dedent("""
-    import ctypes, sys
-    from pathlib import Path
-    from llama_cpp import llama_cpp as low
-    libdir = Path(low._lib._name).parent
-    ggml = ctypes.CDLL(str(libdir / "libggml.so.0"))
-    rpc = ctypes.CDLL(str(libdir / "libggml-rpc.so.0"))
-    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
-                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
-    cpu = (ctypes.c_void_p * 1)(ggml.ggml_backend_dev_by_type(0))  # GGML_BACKEND_DEVICE_TYPE_CPU
-    print("ready", flush=True)
-    rpc.ggml_backend_rpc_start_server(sys.argv[1].encode(), None, int(sys.argv[2]), 1, cpu)
-""")
-
-
 def copies_block_compute(device: str | None) -> bool:
     """Whether the pool device receives copies on the thread that computes: the CPU test device
     and an RPC server do (a copy delays the pass behind it); a GPU copies on its own engine."""
     return device in (None, "CPU") or str(device).startswith("RPC")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def rpc_device(n_threads: int = 1):
-    """Start a ggml RPC server process on 127.0.0.1 exposing its CPU (n_threads threads),
-    register it in this process and yield the RPC device's name; the server stops on exit.
-
-    A registered RPC device cannot be unregistered: once its server is gone, every later model
-    load in this process would try to reach it, so use one process per server."""
-    endpoint = f"127.0.0.1:{_free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", _RPC_SERVER, endpoint, str(n_threads)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        if proc.stdout.readline().strip() != "ready":
-            raise NativeError("the RPC server process did not start (is this llama.cpp built with GGML_RPC?)")
-        ggml, rpc = ggml_library("ggml"), ggml_library("ggml-rpc")
-        rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
-        rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
-        ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
-        ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-        ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-        ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        ggml.ggml_backend_dev_name.restype = ctypes.c_char_p
-        ggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-        host, port = endpoint.split(":")
-        for _ in range(100):  # add_server aborts if nobody listens: wait for the socket first
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
-        if not reg:
-            raise NativeError(f"could not reach the RPC server at {endpoint}")
-        ggml.ggml_backend_register(reg)
-        names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)).decode()
-                 for i in range(ggml.ggml_backend_dev_count())]
-        rpc_names = [n for n in names if n.startswith("RPC")]
-        if not rpc_names:
-            raise NativeError(f"no RPC device registered (devices: {names})")
-        yield rpc_names[0]
-    finally:
-        proc.kill()
-        proc.wait()

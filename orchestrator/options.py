@@ -191,6 +191,9 @@ OPTIONS: dict[str, _Opt] = {
     "device": _Opt("model", Optional[str], None, typer.Option(
         "--device", help="pool device: a ggml device name (CUDA0, ...) or CPU (the test stand-in) "
         "\\[default: the first GPU; none: the pool is off]", show_default=False)),
+    "rpc": _Opt("model", Optional[str], None, typer.Option(
+        "--rpc", help="RPC servers HOST:PORT,... (spac rpc-server, llama.cpp's rpc-server): their devices join "
+        "the list (RPC0, ...), for --device", show_default=False)),
     "n_gpu_layers": _Opt("model", str, "auto", typer.Option(
         "-ngl", "--n-gpu-layers", help="target layers whose non-expert weights go to the GPU: a number, 'all' or "
         "'auto' (what fits in free device memory)")),
@@ -229,6 +232,7 @@ class RunOptions:
     draft_max: int = 8
     expert_budget: Budget = Budget()
     device: str | None = None
+    rpc: tuple[str, ...] = ()    # RPC servers' HOST:PORT
     n_gpu_layers: str = "auto"  # "auto", "all" or a number
     threads: int = _DEFAULT_THREADS
     repack: str = "auto"         # auto | on | off (orchestrator.host_layout)
@@ -276,6 +280,14 @@ class RunOptions:
             budget = Budget.parse(v["expert_budget"])
         except ValueError as e:
             fail(str(e))
+        from orchestrator.rpc import parse_endpoint
+
+        rpc = tuple(e.strip() for e in (v["rpc"] or "").split(",") if e.strip())
+        for endpoint in rpc:
+            try:
+                parse_endpoint(endpoint)
+            except ValueError as e:
+                fail(f"--rpc: {e}")
         threads = v["threads"] if v["threads"] > 0 else _DEFAULT_THREADS  # llama.cpp: <= 0 = the default
         seed, seed_random = v["seed"], v["seed"] < 0
         if seed_random:
@@ -284,7 +296,7 @@ class RunOptions:
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
         return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budget,
-                   device=v["device"], n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], engine=v["engine"],
+                   device=v["device"], rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], engine=v["engine"],
                    check_tensors=v["check_tensors"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
                    stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))
@@ -426,6 +438,14 @@ def session_setup(opts: RunOptions) -> Setup:
     built = engine_built()
     if engine and not built:
         fail("--engine/--device/--expert-budget: this llama.cpp has no spac engine (run scripts/build_native.py)")
+    if opts.rpc:  # before anything lists devices: the servers' devices join ggml's list
+        from orchestrator.native import NativeError
+        from orchestrator.rpc import register_servers
+
+        try:
+            register_servers(opts.rpc)
+        except NativeError as e:
+            fail(f"--rpc: {e}")
     if opts.device is not None and opts.device.upper() != "CPU":
         from orchestrator.placement import devices
 

@@ -410,7 +410,7 @@ def measure_to_file(out: Path, gguf: Path | None, device: str | None, n_threads:
     127.0.0.1 with rpc_threads threads for the duration (the test machine's stand-in GPU)."""
     with ExitStack() as stack:
         if device == "rpc":
-            from orchestrator.native import rpc_device
+            from orchestrator.rpc import rpc_device
 
             device = stack.enter_context(rpc_device(n_threads=rpc_threads))
         if gguf is None:

@@ -62,7 +62,7 @@ def rpc_main(check) -> None:
     on the device SPAC_TEST_DEVICE names (CUDA0 on a GPU machine: the same checks on a real GPU)."""
     import os
 
-    from orchestrator.native import rpc_device
+    from orchestrator.rpc import rpc_device
 
     named = os.environ.get("SPAC_TEST_DEVICE")
     with rpc_device() if not named else contextlib.nullcontext(named) as device:

@@ -117,7 +117,7 @@ OFFLOAD_CHECK = """
 import sys
 from pathlib import Path
 import numpy as np
-from orchestrator.native import rpc_device
+from orchestrator.rpc import rpc_device
 from engine_common import model_config, run_sequence
 from orchestrator.gguf_export import make_random_model
 from orchestrator.llm import Context, Model

@@ -1,0 +1,139 @@
+"""ggml's RPC backend, as llama.cpp uses it: serve this machine's device to others, and reach
+the devices other machines serve.
+
+    serve("127.0.0.1:50052", n_threads=4)      # blocks; `spac rpc-server`, llama.cpp's rpc-server
+    register_servers(["host:50052"])           # `--rpc`: their devices join ggml's list (RPC0, ...)
+    with rpc_device() as name: ...             # tests and benches: a server on 127.0.0.1, registered
+
+The protocol has no authentication or encryption: a server must never face an untrusted network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from orchestrator.native import NativeError, ggml_library
+
+WARNING = ("the RPC protocol is not authenticated or encrypted: anyone who reaches this port can "
+           "run computations on this machine and read what it holds. Never expose it to an untrusted network.")
+_DEVICE_TYPE_CPU, _DEVICE_TYPE_GPU = 0, 1
+_registered: dict[str, list[str]] = {}  # endpoint -> its device names, in this process
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """"HOST:PORT" → (host, port); ValueError says what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _ggml():
+    g = ggml_library("ggml")
+    g.ggml_backend_dev_count.restype = ctypes.c_size_t
+    g.ggml_backend_dev_get.restype = ctypes.c_void_p
+    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    g.ggml_backend_dev_name.restype = ctypes.c_char_p
+    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    g.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    g.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    g.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    g.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    return g
+
+
+def _device_names(g) -> list[str]:
+    return [g.ggml_backend_dev_name(g.ggml_backend_dev_get(i)).decode() for i in range(g.ggml_backend_dev_count())]
+
+
+def serve(endpoint: str, n_threads: int = 1, device: str | None = None, on_ready=None) -> None:
+    """Serve `device` (a ggml name; default: the first GPU, else the CPU) at endpoint until the
+    process ends. Ctrl-C raises KeyboardInterrupt here: the server runs on a thread of its own,
+    since ggml's accept loop never returns to Python."""
+    from llama_cpp import llama_cpp as low  # loads libllama, which registers the backends
+
+    low.llama_backend_init()
+    g = _ggml()
+    dev = (g.ggml_backend_dev_by_name(device.encode()) if device
+           else g.ggml_backend_dev_by_type(_DEVICE_TYPE_GPU) or g.ggml_backend_dev_by_type(_DEVICE_TYPE_CPU))
+    if not dev:
+        raise NativeError(f"no device {device!r}; ggml sees {', '.join(_device_names(g))}")
+    rpc = ggml_library("ggml-rpc")
+    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
+    devices = (ctypes.c_void_p * 1)(dev)
+    server = threading.Thread(target=rpc.ggml_backend_rpc_start_server, daemon=True,
+                              args=(endpoint.encode(), None, n_threads, 1, devices))
+    if on_ready is not None:  # before ggml's own lines on stdout; clients wait for the port
+        on_ready()
+    server.start()
+    while server.is_alive():
+        server.join(0.2)
+    raise NativeError(f"the RPC server at {endpoint} stopped (is the port in use?)")
+
+
+def register_servers(endpoints, timeout_s: float = 5.0) -> list[str]:
+    """Make the devices of RPC servers known to ggml in this process, as llama.cpp's --rpc
+    does; their names (RPC0, RPC1, ...) in the order given. NativeError names a server that does
+    not answer within timeout_s (ggml itself would abort the process)."""
+    g, rpc = _ggml(), ggml_library("ggml-rpc")
+    rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    names = []
+    for endpoint in endpoints:
+        if endpoint not in _registered:
+            host, port = parse_endpoint(endpoint)
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.1)).close()
+                    break
+                except OSError as e:
+                    if time.monotonic() >= deadline:
+                        raise NativeError(f"no RPC server answers at {endpoint} ({e.strerror or e})") from None
+                    time.sleep(0.1)
+            before = set(_device_names(g))
+            reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+            if not reg:
+                raise NativeError(f"the RPC server at {endpoint} offers no device")
+            g.ggml_backend_register(reg)
+            _registered[endpoint] = [n for n in _device_names(g) if n not in before]
+        names += _registered[endpoint]
+    return names
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rpc_device(n_threads: int = 1):
+    """Start an RPC server process on 127.0.0.1 serving its CPU (n_threads threads), register it
+    in this process and yield the RPC device's name; the server stops on exit.
+
+    A registered RPC device cannot be unregistered: once its server is gone, every later model
+    load in this process would try to reach it, so use one process per server."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.rpc", endpoint, str(n_threads), "CPU"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise NativeError("the RPC server process did not start (is this llama.cpp built with GGML_RPC?)")
+        yield register_servers([endpoint], timeout_s=10.0)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__":  # rpc_device's server process: endpoint, threads, device
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], on_ready=lambda: print("ready", flush=True))

@@ -1,0 +1,90 @@
+"""`spac rpc-server` and `--rpc`: llama.cpp's way to use another machine's device, here a server
+process on 127.0.0.1. Every client runs in a process of its own: a registered RPC device cannot
+be unregistered, so it must not outlive its server in the test session."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.native import engine_built
+from orchestrator.rpc import _free_port
+
+SPAC = [sys.executable, "-m", "orchestrator.cli"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spac(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*SPAC, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def server():
+    """A `spac rpc-server` on a free port, one thread; its HOST:PORT."""
+    port = _free_port()
+    proc = subprocess.Popen([*SPAC, "rpc-server", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert "RPC server on" in proc.stderr.readline()
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def generate(*args: str) -> dict:
+    res = spac("generate", "Once upon a time", "-n", "32", "--temp", "0", "-t", "1", "--json", *args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+@pytest.mark.skipif(not engine_built(), reason="native engine not built")
+def test_the_pool_on_an_rpc_server_gives_the_target_only_text(server):
+    reference = generate("--no-engine", "--draft", "none")["text"]
+    for args in (["--expert-budget", "25%"], ["--expert-budget", "50%"], ["--expert-budget", "25%", "--draft", "pool"]):
+        out = generate("--rpc", server, "--device", "RPC0", *args)
+        assert out["text"] == reference, args
+        assert out["pool_device"] == "RPC0" and out["bytes_copied"] > 0, args  # the pool was on the server
+
+
+def test_bad_rpc_servers_are_one_line_and_exit_2():
+    res = spac("generate", "x", "-n", "2", "--rpc", "not-an-endpoint")
+    assert res.returncode == 2 and "--rpc" in res.stderr and "HOST:PORT" in res.stderr
+    res = spac("generate", "x", "-n", "2", "--rpc", f"127.0.0.1:{_free_port()}", "--device", "RPC0")
+    assert res.returncode == 2 and "--rpc" in res.stderr and "no RPC server answers" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_rpc_server_refuses_bad_flags():
+    res = spac("rpc-server", "-p", "70000")
+    assert res.returncode == 2 and "-p/--port" in res.stderr
+    res = spac("rpc-server", "-p", str(_free_port()), "-d", "NO-SUCH-DEVICE")
+    assert res.returncode == 2 and "NO-SUCH-DEVICE" in res.stderr
+
+
+def test_rpc_server_stops_on_ctrl_c():
+    proc = subprocess.Popen([*SPAC, "rpc-server", "-p", str(_free_port()), "-t", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert "RPC server on" in proc.stderr.readline()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err
+
+
+def test_rpc_server_warns_off_loopback():
+    """Listening beyond this machine prints llama.cpp's warning: the protocol is unauthenticated."""
+    proc = subprocess.Popen([*SPAC, "rpc-server", "-H", "0.0.0.0", "-p", str(_free_port()), "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        first = proc.stderr.readline()
+        assert "WARNING" in first and "untrusted network" in first
+    finally:
+        proc.kill()
+        proc.wait()
