@@ -54,6 +54,7 @@ class RunMetrics:
     n_copies: int = 0
     n_evictions: int = 0
     n_prefetch_late: int = 0
+    bytes_staged: int = 0         # streamed prefill: experts copied into staging slots
     tau_histogram: list[list[int]] | None = None
     hot_cold_accuracy: float | None = None
     hot_cold_accuracy_per_layer: list[float] | None = None
@@ -95,7 +96,7 @@ def _bytes(n: float) -> str:
 
 
 ENGINE_COUNTERS = ("n_expert_tokens_device", "n_expert_tokens_cpu", "bytes_copied", "n_copies",
-                   "n_evictions", "n_prefetch_late")
+                   "n_evictions", "n_prefetch_late", "bytes_staged")
 
 
 class RunRecorder:

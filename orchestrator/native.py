@@ -40,6 +40,7 @@ class SpacEngineParams(ctypes.Structure):
         ("join", c_int32),
         ("skip_absent", c_bool),
         ("only_half", c_int32),
+        ("stream_prefill", c_bool),
     ]
 
 
@@ -64,6 +65,10 @@ class SpacEngineStats(ctypes.Structure):
         ("copy_busy_us", c_double),
         ("n_slots", c_int32),
         ("n_resident", c_int32),
+        ("n_staged", c_uint64),
+        ("bytes_staged", c_uint64),
+        ("stage_copy_us", c_double),
+        ("stage_wait_us", c_double),
     ]
 
 
@@ -235,12 +240,14 @@ class ExpertEngine:
     skip_absent: the device skips id -1 like ggml-cpu (an RPC server built from this patch
     series), so non-resident rows cost it nothing instead of a multiply by the all-zero slot.
     Budget: budget_bytes if > 0, else budget_ratio of all expert bytes.
+    stream_prefill: a ubatch of more than max_split_tokens computes its experts on the device,
+    the non-resident ones streamed through two layers of staging slots (stats: n_staged, ...).
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
                  budget_ratio: float = DEFAULT_BUDGET_RATIO, max_split_tokens: int = 64, no_evict: bool = False,
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
-                 skip_absent: bool = False, only_half: str | None = None):
+                 skip_absent: bool = False, only_half: str | None = None, stream_prefill: bool = False):
         self._ctx = _ctx_ptr(ctx)
         p = lib()["default_params"]()
         p.model_path = str(model_path).encode()
@@ -251,6 +258,7 @@ class ExpertEngine:
         p.no_evict = bool(no_evict)
         p.copy_delay_us = int(copy_delay_us)
         p.skip_absent = bool(skip_absent)
+        p.stream_prefill = bool(stream_prefill)
         for name, value, choices in (("split_graph", split_graph, SPLIT_GRAPHS), ("join", join, JOINS),
                                      ("only_half", only_half, ONLY_HALF)):
             if value not in choices:

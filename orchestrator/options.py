@@ -207,6 +207,10 @@ OPTIONS: dict[str, _Opt] = {
     "engine": _Opt("model", Optional[bool], None, typer.Option(
         "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
         show_default=False)),
+    "stream_prefill": _Opt("model", Optional[bool], None, typer.Option(
+        "--stream-prefill/--no-stream-prefill", help="prompts of more than 64 tokens compute their experts on the "
+        "pool device, the others copied through two layers of staging slots \\[default: on for a GPU or RPC pool, off "
+        "on --device CPU]", show_default=False)),
     "check_tensors": _Opt("model", bool, False, typer.Option(
         "--check-tensors", help="check the model's tensor data for NaN/Inf on load (as llama.cpp's)")),
     "recalibrate": _Opt("model", bool, False, typer.Option("--recalibrate", help="measure the unit costs again")),
@@ -238,6 +242,7 @@ class RunOptions:
     repack: str = "auto"         # auto | on | off (orchestrator.host_layout)
     ctx_size: int = 0
     engine: bool | None = None
+    stream_prefill: bool | None = None
     check_tensors: bool = False
     recalibrate: bool = False
     verbose: bool = False
@@ -297,6 +302,7 @@ class RunOptions:
                 fail(f"{flag} is empty")
         return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budget,
                    device=v["device"], rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], engine=v["engine"],
+                   stream_prefill=v["stream_prefill"],
                    check_tensors=v["check_tensors"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
                    stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))
@@ -477,6 +483,7 @@ def session_setup(opts: RunOptions) -> Setup:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
     cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_threads=opts.threads,
                         repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
+                        stream_prefill=opts.stream_prefill,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors)
     return Setup(cfg, notes, off)

@@ -76,3 +76,32 @@ def test_split_is_bit_identical_on(arch_models, arch):
     finally:
         ctx.close()
         model.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streamed_prefill_is_bit_identical_on(arch_models, arch):
+    """A 100-token prompt streamed through the pool (patch 0016) gives the all-host logits."""
+    path = arch_models / f"{arch}-moe.gguf"
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=256, n_batch=128, n_threads=2)
+    tokens = np.random.default_rng(1).integers(0, min(model.n_vocab, 200), 100)
+
+    def prefill():
+        ctx.clear()
+        ctx.decode(tokens, logits_all=True)
+        return ctx.logits().copy()
+
+    try:
+        reference = prefill()
+        rng = np.random.default_rng(0)
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.6, stream_prefill=True) as engine:
+            L, E = engine.n_moe_layers, engine.n_expert
+            for _ in range(3):
+                engine.set_plan(Plan(rng.integers(0, 5, (L, E)).astype(np.uint8), rng.integers(1, 5, L).astype(np.int32)))
+                assert engine.wait_idle()
+                assert prefill().tobytes() == reference.tobytes()
+            stats = engine.stats()
+            assert stats["n_staged"] > 0 and stats["n_expert_tokens_cpu"] == 0
+    finally:
+        ctx.close()
+        model.close()

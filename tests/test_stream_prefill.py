@@ -1,0 +1,129 @@
+"""Streamed prefill (patch 0016): a ubatch above the split size computes every expert on the pool
+device, the non-resident ones copied into staging slots layer by layer. Its logits equal an
+all-host prefill's: bit for bit on the CPU test device, within 1e-4 on the RPC device."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from orchestrator.gguf_export import make_random_model
+from orchestrator.llm import Context, Model
+from orchestrator.native import ExpertEngine, engine_built
+from orchestrator.plan import Plan
+
+from engine_common import model_config, rpc_main, run_in_own_process
+
+pytestmark = pytest.mark.skipif(not engine_built(), reason="native engine not built")
+N_BATCH = 512  # the ubatch size: a prompt above 64 tokens streams, 512 at a time
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stream-models")
+    return {(arch, quant): make_random_model(d / f"{arch}-{quant}.gguf", model_config(arch), seed=1, dtype="f32",
+                                             quant=None if quant == "f32" else quant)
+            for arch in ("qwen3moe", "qwen2moe") for quant in ("f32", "q8_0", "q4_0", "q4_k_m")}
+
+
+def prompt(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 250, n)
+
+
+def prefill(ctx: Context, tokens) -> np.ndarray:
+    ctx.clear()
+    ctx.decode(tokens, logits_all=True)
+    return ctx.logits().copy()
+
+
+def some_resident(engine: ExpertEngine, seed: int) -> np.ndarray:
+    """A random plan in force (part of the pool filled): the streamed ubatch mixes slots."""
+    rng = np.random.default_rng(seed)
+    L, E = engine.n_moe_layers, engine.n_expert
+    engine.set_plan(Plan(rng.integers(0, 5, (L, E)).astype(np.uint8), rng.integers(1, 5, L).astype(np.int32)))
+    assert engine.wait_idle()
+    return engine.residency() >= 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("quant", ["f32", "q8_0", "q4_0", "q4_k_m"])
+def test_streamed_prefill_is_bit_identical(models, arch, quant):
+    path = models[arch, quant]
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=2304, n_batch=N_BATCH, n_threads=2)
+    try:
+        lengths = (65, 300, 2048) if quant == "q4_0" else (65, 300)
+        references = {n: prefill(ctx, prompt(n)) for n in lengths}
+        for ratio in (0.1, 0.25, 0.5):
+            with ExpertEngine(ctx.ptr, path, budget_ratio=ratio, stream_prefill=True) as engine:
+                for n in lengths:
+                    resident = some_resident(engine, seed=n)
+                    engine.reset_stats()
+                    got = prefill(ctx, prompt(n))
+                    assert got.tobytes() == references[n].tobytes(), (ratio, n)
+                    # every full ubatch streamed: each layer's non-resident experts, once per ubatch
+                    n_streamed = sum(1 for start in range(0, n, N_BATCH) if min(N_BATCH, n - start) > 64)
+                    stats = engine.stats()
+                    assert stats["n_staged"] == n_streamed * int((~resident).sum()), (ratio, n)
+                    assert stats["n_expert_tokens_cpu"] == 0 or n % N_BATCH <= 64
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_streamed_prefill_leaves_decoding_and_the_plan_alone(models):
+    """After a streamed prompt, decoding splits as before (bit-identical) and the plan's copies
+    go on: staging never touches the pool's own slots."""
+    path = models["qwen3moe", "q8_0"]
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=512, n_batch=N_BATCH, n_threads=2)
+    try:
+        def run():
+            ctx.clear()
+            ctx.decode(prompt(200), logits_all=False)
+            out = [ctx.logits().copy()]
+            for t in (7, 11, 13):
+                ctx.decode([t])
+                out.append(ctx.logits().copy())
+            return np.concatenate(out)
+
+        reference = run()
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.25, stream_prefill=True) as engine:
+            resident = some_resident(engine, seed=3)
+            assert run().tobytes() == reference.tobytes()
+            assert ((engine.residency() >= 0) == resident).all()
+            stats = engine.stats()
+            assert stats["n_staged"] > 0 and stats["n_expert_tokens_cpu"] > 0  # the single tokens split
+    finally:
+        ctx.close()
+        model.close()
+
+
+def check_streamed_prefill_on_rpc_device(device: str, tmp) -> None:
+    path = make_random_model(tmp / "m.gguf", model_config("qwen3moe"), seed=1, dtype="f32", quant="q8_0")
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=1024, n_batch=N_BATCH, n_threads=1)
+    try:
+        tokens = prompt(700)
+        reference = prefill(ctx, tokens)
+        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=0.25, stream_prefill=True) as engine:
+            resident = some_resident(engine, seed=5)
+            engine.reset_stats()
+            got = prefill(ctx, tokens)
+            np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+            stats = engine.stats()
+            assert stats["n_staged"] == 2 * int((~resident).sum())  # 512 + 188 tokens: two streamed ubatches
+            assert stats["n_expert_tokens_cpu"] == 0
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_streamed_prefill_on_rpc_device(tmp_path):
+    run_in_own_process(__file__, tmp_path)
+
+
+if __name__ == "__main__":
+    rpc_main(check_streamed_prefill_on_rpc_device)
