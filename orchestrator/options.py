@@ -204,6 +204,9 @@ OPTIONS: dict[str, _Opt] = {
         "kernels where they decode faster, the file's plain layout for prompts where that is faster; the experts "
         "of a GPU run stay plain), on (llama.cpp's default: repack every weight it can), off (the file's layout)")),
     "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
+    "ubatch_size": _Opt("model", int, 512, typer.Option(
+        "-ub", "--ubatch-size", help="tokens per prompt-processing pass (llama.cpp's -b and -ub at once); a streamed "
+        "prefill copies each non-resident expert once per pass, so larger passes copy less (spac sim prefill)")),
     "engine": _Opt("model", Optional[bool], None, typer.Option(
         "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
         show_default=False)),
@@ -241,6 +244,7 @@ class RunOptions:
     threads: int = _DEFAULT_THREADS
     repack: str = "auto"         # auto | on | off (orchestrator.host_layout)
     ctx_size: int = 0
+    ubatch_size: int = 512
     engine: bool | None = None
     stream_prefill: bool | None = None
     check_tensors: bool = False
@@ -274,6 +278,8 @@ class RunOptions:
         v["repack"] = str(v["repack"]).strip().lower()
         if v["repack"] not in ("auto", "on", "off"):
             fail(f"--repack must be auto, on or off, got {v['repack']!r}")
+        if v["ubatch_size"] < 1:
+            fail(f"-ub/--ubatch-size must be >= 1, got {v['ubatch_size']}")
         if v["ctx_size"] < 0:
             fail(f"-c/--ctx-size must be >= 0 (0: the model's), got {v['ctx_size']}")
         if v["top_k"] < 0:
@@ -301,7 +307,7 @@ class RunOptions:
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
         return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budget,
-                   device=v["device"], rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], engine=v["engine"],
+                   device=v["device"], rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
                    stream_prefill=v["stream_prefill"],
                    check_tensors=v["check_tensors"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
@@ -481,7 +487,8 @@ def session_setup(opts: RunOptions) -> Setup:
         notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
     elif draft == POOL_DRAFT:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
-    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_threads=opts.threads,
+    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size,
+                        n_threads=opts.threads,
                         repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
                         stream_prefill=opts.stream_prefill,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
