@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--budget", type=float, default=0.25, help="pool share of all experts")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--mode", choices=["ahead", "used", "both"], default="both",
+                    help="ahead: every non-resident expert of the next layer while one computes; used: the "
+                         "experts a layer's router chose, once it has run")
     args = ap.parse_args()
 
     print(f"CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f} at start")
@@ -65,7 +68,9 @@ def main() -> None:
         def timed(ctx: Context) -> float:
             ctx.clear()
             t0 = time.perf_counter()
-            ctx.decode(tokens, logits_all=False)
+            # logits of every position: the routing export then holds the last layer's rows too
+            # (with only the last position's, that layer computes, and exports, one row)
+            ctx.decode(tokens, logits_all=True)
             ctx.logits()[0, 0]  # synchronizes
             return time.perf_counter() - t0
 
@@ -73,40 +78,44 @@ def main() -> None:
         routing = Routing(host.ptr, n_expert_used=cfg.n_expert_used)
         timed(host)
         ids, _ = routing.last()  # [n_layer, n_tokens, top_k] of the prompt
-        freq = np.stack([np.bincount(ids[m].ravel(), minlength=cfg.n_expert) for m in range(ids.shape[0])])
+        freq = np.stack([np.bincount(row[row >= 0], minlength=cfg.n_expert) for row in ids.reshape(ids.shape[0], -1)])
         host_s = statistics.median(timed(host) for _ in range(args.repeats))
         host.close()
 
-        ctx = Context(model, n_ctx=n_ctx, n_batch=args.tokens, n_threads=1)
-        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=args.budget, stream_prefill=True) as engine:
-            # the pool holds the experts the prompt uses most, as a plan from its routing would
-            utility = np.zeros(freq.shape, np.uint8)
-            order = np.argsort(-freq, axis=1, kind="stable")
-            np.put_along_axis(utility, order[:, : engine.stats()["n_slots"] // freq.shape[0]], 1, axis=1)
-            engine.set_plan(Plan(utility, np.ones(freq.shape[0], np.int32)))
-            assert engine.wait_idle(600)
-            resident = engine.residency() >= 0
-            timed(ctx)  # warm-up: graph reserve, first touch
-            engine.reset_stats()
-            times = [timed(ctx) for _ in range(args.repeats)]
-            s = engine.stats()
-        ctx.close()
+        results = {}
+        for mode in (["ahead", "used"] if args.mode == "both" else [args.mode]):
+            ctx = Context(model, n_ctx=n_ctx, n_batch=args.tokens, n_threads=1)
+            with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=args.budget, stream_prefill=mode) as engine:
+                # the pool holds the experts the prompt uses most, as a plan from its routing would
+                utility = np.zeros(freq.shape, np.uint8)
+                order = np.argsort(-freq, axis=1, kind="stable")
+                np.put_along_axis(utility, order[:, : engine.stats()["n_slots"] // freq.shape[0]], 1, axis=1)
+                engine.set_plan(Plan(utility, np.ones(freq.shape[0], np.int32)))
+                assert engine.wait_idle(600)
+                resident = engine.residency() >= 0
+                timed(ctx)  # warm-up: graph reserve, first touch
+                engine.reset_stats()
+                times = [timed(ctx) for _ in range(args.repeats)]
+                # the distinct non-resident experts this ubatch chose (its own routing export)
+                ids = Routing(ctx.ptr, n_expert_used=cfg.n_expert_used).last()[0].reshape(freq.shape[0], -1)
+                used = np.stack([np.bincount(row[row >= 0], minlength=cfg.n_expert) > 0 for row in ids])
+                results[mode] = statistics.median(times), engine.stats(), int((used & ~resident).sum())
+            ctx.close()
         model.close()
 
-    expert_bytes = s["bytes_staged"] / max(s["n_staged"], 1)
-    used_nonresident = int(((freq > 0) & ~resident).sum())
-    streamed_s = statistics.median(times)
+    expert_bytes = next((s["bytes_staged"] / s["n_staged"] for _, s, _ in results.values() if s["n_staged"]), 0.0)
     print(f"{args.preset} shape, {args.n_layer} MoE layers x {cfg.n_expert} experts (top-{cfg.n_expert_used}), "
           f"Q4_0, {expert_bytes / 1e6:.2f} MB per expert; prompt {args.tokens} tokens (one ubatch); pool "
           f"{100 * args.budget:.0f}% ({int(resident.sum())} experts resident)")
-    print(f"  all-host prefill            {1e3 * host_s:8.1f} ms")
-    print(f"  streamed through the pool   {1e3 * streamed_s:8.1f} ms  ({host_s / streamed_s:.2f}x all-host)")
+    print(f"  all-host prefill        {1e3 * host_s:8.1f} ms")
     per = args.repeats
-    print(f"  staged per prefill: {s['n_staged'] // per} experts, {s['bytes_staged'] / per / 1e6:.1f} MB; distinct "
-          f"non-resident experts the ubatch used: {used_nonresident} ({used_nonresident * expert_bytes / 1e6:.1f} MB)")
-    copy, wait = s["stage_copy_us"] / per, s["stage_wait_us"] / per
-    print(f"  copies {copy / 1e3:.1f} ms per prefill, the graph waited {wait / 1e3:.1f} ms for them: "
-          f"{100 * max(0.0, 1 - wait / copy):.0f}% of the copy time hidden" if copy else "  nothing staged")
+    for mode, (t, s, used_nonresident) in results.items():
+        copy, wait = s["stage_copy_us"] / per, s["stage_wait_us"] / per
+        hidden = f"{100 * max(0.0, 1 - wait / copy):.0f}%" if copy else "-"
+        print(f"  streamed, {mode:5}         {1e3 * t:8.1f} ms ({host_s / t:.2f}x all-host); staged {s['n_staged'] / per:.0f} "
+              f"experts, {s['bytes_staged'] / per / 1e6:.1f} MB, against {used_nonresident} distinct non-resident experts "
+              f"the ubatch chose ({used_nonresident * expert_bytes / 1e6:.1f} MB); copies {copy / 1e3:.1f} ms, the graph "
+              f"waited {wait / 1e3:.1f} ms ({hidden} of the copy time not waited for)")
     print(f"  load average {os.getloadavg()[0]:.2f} at the end")
 
 

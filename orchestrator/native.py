@@ -40,7 +40,7 @@ class SpacEngineParams(ctypes.Structure):
         ("join", c_int32),
         ("skip_absent", c_bool),
         ("only_half", c_int32),
-        ("stream_prefill", c_bool),
+        ("stream_prefill", c_int32),
     ]
 
 
@@ -48,6 +48,10 @@ class SpacEngineParams(ctypes.Structure):
 # experts on the device and the host experts on the host, the device half queued first, one
 # crossing each way; "per-matmul" splits every expert matmul and sums it at once (the baseline)
 SPLIT_GRAPHS = {"overlap": 0, "per-matmul": 1}
+# a large ubatch's experts through the pool (enum spac_stream_prefill): "ahead" copies every
+# non-resident expert of the next layer while one computes, "used" the experts a layer's router
+# chose, once it has run (True = "ahead")
+STREAM_PREFILL = {"off": 0, "ahead": 1, "used": 2}
 # where the halves meet (enum spac_join): "auto" = per expert on a CPU pool, partial sums on a device
 JOINS = {"auto": 0, "per-expert": 1, "partial-sums": 2}
 # benchmarks only: time one half of every split layer alone (the outputs are then wrong)
@@ -241,13 +245,14 @@ class ExpertEngine:
     series), so non-resident rows cost it nothing instead of a multiply by the all-zero slot.
     Budget: budget_bytes if > 0, else budget_ratio of all expert bytes.
     stream_prefill: a ubatch of more than max_split_tokens computes its experts on the device,
-    the non-resident ones streamed through two layers of staging slots (stats: n_staged, ...).
+    the non-resident ones streamed through two layers of staging slots (stats: n_staged, ...):
+    "ahead" (True) or "used" (STREAM_PREFILL).
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
                  budget_ratio: float = DEFAULT_BUDGET_RATIO, max_split_tokens: int = 64, no_evict: bool = False,
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
-                 skip_absent: bool = False, only_half: str | None = None, stream_prefill: bool = False):
+                 skip_absent: bool = False, only_half: str | None = None, stream_prefill: bool | str = False):
         self._ctx = _ctx_ptr(ctx)
         p = lib()["default_params"]()
         p.model_path = str(model_path).encode()
@@ -258,7 +263,10 @@ class ExpertEngine:
         p.no_evict = bool(no_evict)
         p.copy_delay_us = int(copy_delay_us)
         p.skip_absent = bool(skip_absent)
-        p.stream_prefill = bool(stream_prefill)
+        stream = {False: "off", True: "ahead"}.get(stream_prefill, stream_prefill) if isinstance(stream_prefill, bool) else stream_prefill
+        if stream not in STREAM_PREFILL:
+            raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)} (or a bool), got {stream_prefill!r}")
+        p.stream_prefill = STREAM_PREFILL[stream]
         for name, value, choices in (("split_graph", split_graph, SPLIT_GRAPHS), ("join", join, JOINS),
                                      ("only_half", only_half, ONLY_HALF)):
             if value not in choices:

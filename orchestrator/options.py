@@ -210,10 +210,11 @@ OPTIONS: dict[str, _Opt] = {
     "engine": _Opt("model", Optional[bool], None, typer.Option(
         "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
         show_default=False)),
-    "stream_prefill": _Opt("model", Optional[bool], None, typer.Option(
-        "--stream-prefill/--no-stream-prefill", help="prompts of more than 64 tokens compute their experts on the "
-        "pool device, the others copied through two layers of staging slots \\[default: on for a GPU or RPC pool, off "
-        "on --device CPU]", show_default=False)),
+    "stream_prefill": _Opt("model", str, "auto", typer.Option(
+        "--stream-prefill", help="prompt passes of more than 64 tokens compute their experts on the pool device: "
+        "ahead (copy every non-resident expert of the next layer while one computes), used (copy the experts a "
+        "layer's router chose, once it has run), off (llama.cpp's prefill), auto (ahead on a GPU or RPC pool, off "
+        "on --device CPU)")),
     "check_tensors": _Opt("model", bool, False, typer.Option(
         "--check-tensors", help="check the model's tensor data for NaN/Inf on load (as llama.cpp's)")),
     "recalibrate": _Opt("model", bool, False, typer.Option("--recalibrate", help="measure the unit costs again")),
@@ -246,7 +247,7 @@ class RunOptions:
     ctx_size: int = 0
     ubatch_size: int = 512
     engine: bool | None = None
-    stream_prefill: bool | None = None
+    stream_prefill: str = "auto"  # auto | ahead | used | off
     check_tensors: bool = False
     recalibrate: bool = False
     verbose: bool = False
@@ -278,6 +279,9 @@ class RunOptions:
         v["repack"] = str(v["repack"]).strip().lower()
         if v["repack"] not in ("auto", "on", "off"):
             fail(f"--repack must be auto, on or off, got {v['repack']!r}")
+        v["stream_prefill"] = str(v["stream_prefill"]).strip().lower()
+        if v["stream_prefill"] not in ("auto", "ahead", "used", "off"):
+            fail(f"--stream-prefill must be auto, ahead, used or off, got {v['stream_prefill']!r}")
         if v["ubatch_size"] < 1:
             fail(f"-ub/--ubatch-size must be >= 1, got {v['ubatch_size']}")
         if v["ctx_size"] < 0:
@@ -490,7 +494,7 @@ def session_setup(opts: RunOptions) -> Setup:
     cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size,
                         n_threads=opts.threads,
                         repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
-                        stream_prefill=opts.stream_prefill,
+                        stream_prefill=None if opts.stream_prefill == "auto" else opts.stream_prefill,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors)
     return Setup(cfg, notes, off)

@@ -83,7 +83,8 @@ class SessionConfig:
     repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.host_layout)
     engine: bool | None = None   # None: on when the native engine is built, else off
     device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
-    stream_prefill: bool | None = None  # prompts' experts through the pool (patch 0016); None: on a real device
+    stream_prefill: str | bool | None = None  # prompts' experts through the pool (patch 0016): ahead, used,
+                                               # off; None: ahead on a GPU or RPC pool, off on the CPU test device
     budget_bytes: int = 0
     budget_ratio: float = DEFAULT_BUDGET_RATIO
     ablations: Ablations = field(default_factory=Ablations)
@@ -190,7 +191,8 @@ class Session:
             self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
         try:
             # streaming a prompt to the CPU test device would only add copies to the host's work
-            stream = cfg.stream_prefill if cfg.stream_prefill is not None else cfg.device not in (None, "CPU")
+            stream = cfg.stream_prefill if cfg.stream_prefill is not None else (
+                "ahead" if cfg.device not in (None, "CPU") else "off")
             self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=cfg.device,
                                        budget_bytes=cfg.budget_bytes, budget_ratio=cfg.budget_ratio,
                                        no_evict=cfg.ablations.no_evict or not self.policy.evicts,

@@ -188,7 +188,7 @@ def test_draft_max_zero_means_no_draft_and_upstream_name_accepted():
 
 
 @pytest.mark.parametrize("flag,value", [("--temp", "nan"), ("--temp", "inf"), ("--top-p", "nan"), ("-c", "-1"),
-                                        ("-ngl", "lots"), ("-ub", "0")])
+                                        ("-ngl", "lots"), ("-ub", "0"), ("--stream-prefill", "sideways")])
 def test_nonsense_numbers(flag, value):
     assert_usage_error(spac("generate", "x", *FAST, flag, value), flag)
 

@@ -20,7 +20,7 @@ class Clock:
 
 def stats(dev=0, cpu=0, copied=0, copies=0):
     return {"n_expert_tokens_device": dev, "n_expert_tokens_cpu": cpu, "bytes_copied": copied,
-            "n_copies": copies, "n_evictions": 0, "n_prefetch_late": 0}
+            "n_copies": copies, "n_evictions": 0, "n_prefetch_late": 0, "bytes_staged": 0}
 
 
 def test_speed_and_speculation_numbers():
