@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import socket
 import subprocess
 import sys
@@ -24,6 +25,29 @@ WARNING = ("the RPC protocol is not authenticated or encrypted: anyone who reach
            "run computations on this machine and read what it holds. Never expose it to an untrusted network.")
 _DEVICE_TYPE_CPU, _DEVICE_TYPE_GPU = 0, 1
 _registered: dict[str, list[str]] = {}  # endpoint -> its device names, in this process
+_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_on_abort = None  # kept alive while ggml holds it
+
+
+def _exit_on_ggml_abort() -> None:
+    """ggml's RPC client aborts the process when a server stops answering mid-run: say so in one
+    line and exit 2 instead of dying with SIGABRT and a backtrace (a hang is not possible: the
+    closed socket is what ggml noticed)."""
+    global _on_abort
+    if _on_abort is not None:
+        return
+
+    @_ABORT_CALLBACK
+    def on_abort(message: bytes) -> None:
+        text = message.decode(errors="replace").strip()
+        os.write(2, f"spac: error: --rpc: ggml stopped: {text} (did an RPC server stop or lose its network?)\n".encode())
+        os._exit(2)
+
+    g = ggml_library("ggml-base")
+    g.ggml_set_abort_callback.restype = ctypes.c_void_p
+    g.ggml_set_abort_callback.argtypes = [_ABORT_CALLBACK]
+    g.ggml_set_abort_callback(on_abort)
+    _on_abort = on_abort
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -84,6 +108,7 @@ def register_servers(endpoints, timeout_s: float = 5.0) -> list[str]:
     does; their names (RPC0, RPC1, ...) in the order given. NativeError names a server that does
     not answer within timeout_s (ggml itself would abort the process)."""
     g, rpc = _ggml(), ggml_library("ggml-rpc")
+    _exit_on_ggml_abort()
     rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
     names = []

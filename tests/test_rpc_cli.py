@@ -88,3 +88,22 @@ def test_rpc_server_warns_off_loopback():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(not engine_built(), reason="native engine not built")
+def test_a_server_that_dies_mid_run_is_one_line_and_exit_2():
+    """ggml's RPC client aborts the process when its server goes away: spac says so and exits 2
+    at once (no SIGABRT backtrace, no hang)."""
+    port = _free_port()
+    server = subprocess.Popen([*SPAC, "rpc-server", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert "RPC server on" in server.stderr.readline()
+    client = subprocess.Popen([*SPAC, "generate", "Once upon a time", "-n", "-1", "-c", "4096", "-t", "1",
+                               "--rpc", f"127.0.0.1:{port}", "--device", "RPC0", "--expert-budget", "25%"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    time.sleep(3)
+    server.kill()
+    server.wait()
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 2, err[-2000:]
+    assert "--rpc" in err and "RPC server" in err and "Traceback" not in err
