@@ -28,7 +28,7 @@ def test_the_limit_bounds_every_device_prefill(hardware, model):
             for n in (65, 700, 2048, 8192):
                 bound = pm.limit(n).ttft_s
                 for u in UBATCHES:
-                    for system in ("op-offload", "spac"):
+                    for system in ("op-offload", "spac", "spac-used"):
                         assert bound <= pm.run(system, n, u).ttft_s * (1 + 1e-9), (system, ratio, n, u)
 
 

@@ -444,7 +444,8 @@ def prefill_cmd(hardware: str = typer.Option("rtx4090,rtx4060", "--hardware",
                       f"{hw.pcie_bw / 1e9:.1f} GB/s (assumptions: orchestrator/profiles/hardware.toml)")
     console.print("Model: orchestrator/sim/prefill.py. op-offload copies every expert of a layer per ubatch, then "
                   "computes (no overlap); cpu computes experts on the host (repacked kernels); spac copies the next "
-                  "layer's non-resident experts while a layer computes; limit = max(non-resident experts the prompt "
+                  "layer's non-resident experts while a layer computes (--stream-prefill ahead); spac-used copies the "
+                  "non-resident experts each router chose, after it ran (--stream-prefill used); limit = max(non-resident experts the prompt "
                   "uses, copied once; the prompt's flops on the GPU). Each system at its best ubatch; uniform routing. "
                   "The pool's share is --cache-ratio, whatever the card's memory (a 4090 holds all of Qwen3-30B-A3B's "
                   "experts: 17% stands for a model ~6× the pool, as in the other sim commands).",

@@ -1,7 +1,7 @@
 """Time to first token of a long prompt whose routed experts live in host RAM (`spac sim prefill`).
 
 Simulated, not measured: roofline arithmetic on a datasheet hardware profile and a model profile,
-like the decode simulator's cost model (profiles.py). Four systems:
+like the decode simulator's cost model (profiles.py). Five rows:
 
     op-offload  llama.cpp with the experts in host RAM (`--n-cpu-moe`) and a GPU: for a ubatch of
                 32 tokens or more its scheduler copies each layer's whole expert tensors to the
@@ -16,6 +16,9 @@ like the decode simulator's cost model (profiles.py). Four systems:
                 non-resident expert of the layer is copied. From 65 tokens on, a ubatch of
                 Qwen3-30B-A3B's routing uses nearly every expert anyway ((1 - 8/128)^65 = 1.5%
                 unused under uniform routing).
+    spac-used   spac's other mode: after each layer's router, only the non-resident experts some
+                token chose are copied (while the resident ones compute), then computed; no copy
+                overlaps another layer. Fewer bytes when routing is concentrated or the ubatch short.
     limit       a lower bound on the time of any prefill that computes the experts on the GPU:
                 the larger of (a) every non-resident expert the prompt uses crossing the link once
                 and (b) the prompt's flops at the GPU's rate, with nothing else charged.
@@ -44,7 +47,7 @@ import numpy as np
 from orchestrator.sim.profiles import BITS_PER_WEIGHT, HardwareProfile, ModelProfile
 
 UBATCHES = (512, 1024, 2048, 4096, 8192)
-SYSTEMS = ("op-offload", "cpu", "spac", "limit")
+SYSTEMS = ("op-offload", "cpu", "spac", "spac-used", "limit")
 OP_OFFLOAD_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads a host weight's op from this batch size
 
 
@@ -106,12 +109,14 @@ class PrefillModel:
         m = self.model
         return m.n_dense_block * self._block_s(m.dense_block_params or m.block_params, u, pos)
 
-    def experts_s(self, u: int, side: str) -> np.ndarray:
-        """Per layer: the experts a ubatch of u tokens uses, computed on "gpu" or "cpu"."""
+    def experts_s(self, u: int, side: str, which: np.ndarray | None = None) -> np.ndarray:
+        """Per layer: the experts a ubatch of u tokens uses (of `which`, bool [n_layer, n_expert],
+        default all), computed on "gpu" or "cpu"."""
         bw, rate = (self.hw.gpu_bw, self.gpu_flops) if side == "gpu" else (self.hw.cpu_bw, self.cpu_flops)
         used = 1.0 - (1.0 - self.p) ** u                # probability each expert is used
         tokens = u * self.p / np.maximum(used, 1e-300)  # its tokens, given that it is used
-        return (used * np.maximum(self.w_e / bw, tokens * self.f_e / rate)).sum(axis=1)
+        t = used * np.maximum(self.w_e / bw, tokens * self.f_e / rate)
+        return (t if which is None else np.where(which, t, 0.0)).sum(axis=1)
 
     @property
     def copy_s(self) -> float:
@@ -151,6 +156,19 @@ class PrefillModel:
                     copy_total += c
             t = done[-1] + self.head_s()
             return Prefill(system, n_tokens, t, u_max, copied, hidden / copy_total if copy_total else 0.0)
+        if system == "spac-used":
+            # after each router: the chosen non-resident experts cross while the resident ones
+            # compute, then the copied ones compute; nothing overlaps the next layer
+            for pos, u in self._chunks(n_tokens, u_max):
+                t += self.dense_blocks_s(u, pos)
+                used = 1.0 - (1.0 - self.p) ** u
+                n_copy = (used * ~self.resident).sum(axis=1)
+                on_res, on_copy = self.experts_s(u, "gpu", self.resident), self.experts_s(u, "gpu", ~self.resident)
+                for layer in range(self.model.n_layer):
+                    t += (self.nonexpert_s(u, pos) + max(n_copy[layer] * self.copy_s, on_res[layer])
+                          + on_copy[layer])
+                    copied += n_copy[layer] * self.w_e
+            return Prefill(system, n_tokens, t + self.head_s(), u_max, copied)
         for pos, u in self._chunks(n_tokens, u_max):
             t += self.dense_blocks_s(u, pos)
             for layer in range(self.model.n_layer):
