@@ -33,11 +33,15 @@ class StepRouting:
         return int(self.selected.shape[0])
 
     def frequency(self, n_expert: int) -> np.ndarray:
-        """f_t: int32 [n_layer, n_expert], how many verified tokens chose each expert."""
+        """f_t: int32 [n_layer, n_expert], how many verified tokens chose each expert. An id -1 (a
+        row the layer did not compute: a prompt's last layer keeps only its output rows) counts
+        nowhere."""
         n_layer = self.selected.shape[1]
+        n_cells = n_layer * n_expert
         # one bincount over layer·n_expert + expert: np.add.at costs ~0.7 ms at 48×128, this ~20 µs
         cell = self.selected + (np.arange(n_layer, dtype=np.intp) * n_expert)[:, None]
-        freq = np.bincount(cell.ravel(), minlength=n_layer * n_expert)
+        cell = np.where(self.selected >= 0, cell, n_cells)  # one spare bin for the -1 rows
+        freq = np.bincount(cell.ravel(), minlength=n_cells + 1)[:n_cells]
         return freq.reshape(n_layer, n_expert).astype(np.int32)
 
 

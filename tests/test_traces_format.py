@@ -182,3 +182,16 @@ def test_trace_constructor_validates():
     with pytest.raises(TraceError, match="rows"):
         Trace(n_layer=L, n_expert=E, top_k=K, n_drafted=np.array([2]), n_accepted=np.array([0]),
               selected=np.zeros((2, L, K), dtype=np.int16))
+
+
+def test_rows_a_layer_did_not_compute_count_nowhere():
+    """A prompt's last layer keeps only its output rows; the routing export marks the others -1."""
+    from orchestrator.plan import StepRouting
+    from orchestrator.policies.base import layer_usage
+
+    selected = np.array([[[0, 1], [2, 3]], [[1, 2], [-1, -1]]])  # [n_tokens 2, n_layer 2, top_k 2]
+    weights = np.full(selected.shape, 0.5)
+    routing = StepRouting(selected=selected, weights=weights)
+    assert routing.frequency(4).tolist() == [[1, 2, 1, 0], [0, 0, 1, 1]]
+    counts, sums = layer_usage(routing, 4)
+    assert counts.tolist() == [[1, 2, 1, 0], [0, 0, 1, 1]] and sums[1].tolist() == [0.0, 0.0, 0.5, 0.5]

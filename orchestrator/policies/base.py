@@ -140,8 +140,9 @@ def layer_usage(routing: StepRouting, n_expert: int) -> tuple[np.ndarray, np.nda
         return counts, counts.astype(np.float64)
     n_tokens, n_layer, top_k = routing.selected.shape
     layer = np.broadcast_to(np.arange(n_layer)[None, :, None], routing.selected.shape)
+    valid = routing.selected >= 0  # -1: a row the layer did not compute
     weights = np.zeros((n_layer, n_expert))
-    np.add.at(weights, (layer.ravel(), routing.selected.ravel()), routing.weights.astype(np.float64).ravel())
+    np.add.at(weights, (layer[valid], routing.selected[valid]), routing.weights.astype(np.float64)[valid])
     return counts, weights
 
 
