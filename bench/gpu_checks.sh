@@ -61,8 +61,10 @@ EOF
         done
     done
     # 2. the engine tests that take a second device, with this device as that device
+    #    (the streamed prefill's too: events and the copy worker's own stream on a real GPU)
     SPAC_TEST_DEVICE=$device "$py" -m pytest -q -p no:cacheprovider tests/test_engine_rpc.py tests/test_pool_draft.py \
-        tests/test_host_layout.py -k "rpc_device or gpu_run" 2>&1 | tee "$out/pytest-device.log" || failed=1
+        tests/test_host_layout.py tests/test_stream_prefill.py -k "rpc_device or gpu_run" 2>&1 \
+        | tee "$out/pytest-device.log" || failed=1
     exit $failed
     ;;
 truth)
