@@ -38,8 +38,11 @@ def server():
         proc.wait()
 
 
-def generate(*args: str) -> dict:
-    res = spac("generate", "Once upon a time", "-n", "32", "--temp", "0", "-t", "1", "--json", *args)
+LONG_PROMPT = "def f(x):\n    return x\n" * 30  # 239 tokens: a streamed prefill (more than 64)
+
+
+def generate(*args: str, prompt: str = "Once upon a time") -> dict:
+    res = spac("generate", prompt, "-n", "32", "--temp", "0", "-t", "1", "--json", *args)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout)
 
@@ -51,6 +54,12 @@ def test_the_pool_on_an_rpc_server_gives_the_target_only_text(server):
         out = generate("--rpc", server, "--device", "RPC0", *args)
         assert out["text"] == reference, args
         assert out["pool_device"] == "RPC0" and out["bytes_copied"] > 0, args  # the pool was on the server
+    # a long prompt streams its experts through the pool (on by default on an RPC pool), both modes
+    reference = generate("--no-engine", "--draft", "none", prompt=LONG_PROMPT)["text"]
+    for args in ([], ["--stream-prefill", "used"], ["--draft", "pool"]):
+        out = generate("--rpc", server, "--device", "RPC0", "--expert-budget", "25%", *args, prompt=LONG_PROMPT)
+        assert out["text"] == reference, args
+        assert out["bytes_staged"] > 0, args
 
 
 def test_bad_rpc_servers_are_one_line_and_exit_2():
