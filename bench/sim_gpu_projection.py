@@ -31,10 +31,13 @@ from pathlib import Path
 from orchestrator.policies import make_policy
 from orchestrator.sim import profiles
 from orchestrator.sim.simulator import SimConfig, Simulator
-from orchestrator.sim.synthetic import family_trace
+from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, synthesize_trace
 
 CARDS = ("rtx4090", "rtx4060")
 MODELS = {"qwen3-30b-a3b": "Q4_K", "gpt-oss-20b": "MXFP4"}
+# --multi-card: one RTX 3090 against two (layer split), on models too big for either
+MULTI_CARDS = ("rtx3090", "2x-rtx3090")
+MULTI_MODELS = {"qwen3-235b-a22b": "Q4_K", "gpt-oss-120b": "MXFP4"}
 DRAFT, DRAFT_QUANT = "qwen3-0.6b", "Q8_0"
 MARGIN = 1 << 30
 GAMMAS = (1, 2, 4, 8)
@@ -56,7 +59,13 @@ def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, 
 
 def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, seed: int) -> dict:
     speculative = gamma > 0
-    trace = family_trace(model, steps, gamma=gamma, acceptance=0.75, draft_fidelity=None, seed=seed)
+    if model in FAMILIES:
+        trace = family_trace(model, steps, gamma=gamma, acceptance=0.75, draft_fidelity=None, seed=seed)
+    else:  # no calibrated family: Qwen3-30B-A3B's dynamics in this model's shape
+        m = profiles.model(model)
+        trace = synthesize_trace(steps, QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k), gamma=gamma,
+                                 acceptance=0.75, draft_fidelity=None, seed=seed, name=f"synthetic {m.name}",
+                                 layer_index=m.layer_index)
     config = SimConfig(hardware=card, model=model, draft=DRAFT if speculative else None, quant=quant,
                        draft_quant=DRAFT_QUANT)
     config = replace(config, capacity=capacity(config))
@@ -75,7 +84,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--validation", type=Path, help="bench_sim_truth.py --json output")
+    ap.add_argument("--multi-card", action="store_true",
+                    help="one RTX 3090 against two (x8 each), on Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
     args = ap.parse_args()
+    cards, models = (MULTI_CARDS, MULTI_MODELS) if args.multi_card else (CARDS, MODELS)
 
     note = ""
     if args.validation:
@@ -87,13 +99,13 @@ def main() -> None:
     print("| card | model | pool (experts) | llama.cpp --n-cpu-moe | + speculative | spac | spac + speculative |"
           " spac + spec. ÷ llama.cpp + spec. | validation error (autoregressive / speculative) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for card in CARDS:
-        for model, quant in MODELS.items():
+    for card in cards:
+        for model, quant in models.items():
             cells = {(p, s): best_row(card, model, quant, s, p, args.steps, args.seed)
                      for p in ("static", "spac/host") for s in (False, True)}
             ar, spec = cells[("static", False)], cells[("static", True)]
             pool = f"{ar['share']:.0%} / {spec['share']:.0%} with the draft"
-            print(f"| {profiles.hardware(card).name.split(' + ')[0]} | {profiles.model(model).name} {quant} | {pool} | "
+            print(f"| {profiles.hardware(card).name.split(' + ')[0].split(',')[0]} | {profiles.model(model).name} {quant} | {pool} | "
                   f"{ar['tok_s']:.1f} | {spec['tok_s']:.1f} (γ {spec['gamma']}) | "
                   f"{cells[('spac/host', False)]['tok_s']:.1f} | "
                   f"{cells[('spac/host', True)]['tok_s']:.1f} (γ {cells[('spac/host', True)]['gamma']}) | "

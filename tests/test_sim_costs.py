@@ -148,3 +148,19 @@ def test_profiles_are_consistent():
     c = CostModel.build(hw, qwen, model("qwen3-4b"))
     assert c.transfer_s == pytest.approx(2654208 / (31.5e9 * 0.8))
     assert c.cpu_expert_s(1) == pytest.approx(2654208 / (83.2e9 * 0.65))
+
+
+def test_two_cards_add_memory_and_links_and_one_crossing():
+    """A layer split over two cards: twice the memory and (one x8 link each) twice one x8 link;
+    the cards compute one after the other, the hidden state crossing once per pass."""
+    from dataclasses import replace
+
+    from orchestrator.sim import profiles
+
+    two = profiles.hardware("2x-rtx3090")
+    one = replace(two, n_devices=1)
+    m = profiles.model("qwen3-235b-a22b")
+    c2, c1 = profiles.CostModel.build(two, m), profiles.CostModel.build(one, m)
+    assert c2.vram_bytes == 2 * c1.vram_bytes and c2.pcie_bw == 2 * c1.pcie_bw
+    assert c2.fixed_pass_s == pytest.approx(c1.fixed_pass_s + two.sync_us * 1e-6)
+    assert c2.gpu_bw == c1.gpu_bw and c2.static_bytes == c1.static_bytes

@@ -189,7 +189,7 @@ def working(what: str):
 @app.command("profiles")
 def profiles_cmd() -> None:
     """List hardware and model profiles (numbers and sources in orchestrator/profiles/*.toml)."""
-    hw = [{"key": h.key, "VRAM GB": h.vram_GB, "GPU GB/s": h.gpu_bw / 1e9, "PCIe GB/s": h.pcie_bw / 1e9,
+    hw = [{"key": h.key, "cards": h.n_devices, "VRAM GB": h.vram_GB, "GPU GB/s": h.gpu_bw / 1e9, "PCIe GB/s": h.pcie_bw / 1e9,
            "CPU GB/s": h.cpu_bw / 1e9, "CPU GFLOP/s": h.cpu_gflops, "name": h.name}
           for h in profiles.hardware_profiles().values()]
     console.print(_table("hardware (effective rates)", hw))

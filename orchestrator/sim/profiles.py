@@ -69,6 +69,7 @@ class HardwareProfile:
     sync_us: float
     gpu_tflops: float = 80.0  # not a bottleneck at ≤ 16 verified tokens; kept out of the TOML
     prefill_tflops: float = 0.0  # the GPU's effective rate in prompt processing (spac sim prefill; 0: none given)
+    n_devices: int = 1        # cards of this kind, layers split in contiguous ranges; vram_GB and pcie_GBps are per card
 
     @property
     def gpu_bw(self) -> float:
@@ -225,12 +226,17 @@ class CostModel:
             draft_bytes = (draft.n_block * draft.block_params + draft.head_params) * BITS_PER_WEIGHT[draft_quant] / 8
             draft_s = draft_bytes / hw.gpu_bw + draft.n_block * overhead
             static += draft_bytes + context * draft.kv_bytes_per_token
+        # several cards (layer split): their memory adds up; each copies over its own link, and
+        # with the pool's slots spread over the layers so are the copies (so the links add up);
+        # the cards compute one after the other, the hidden state crossing once per card boundary
+        n_dev = max(hw.n_devices, 1)
         return cls(
             expert_bytes=target.expert_bytes(quant), expert_flops=2.0 * target.expert_params,
             gpu_bw=hw.gpu_bw, gpu_flops=hw.gpu_tflops * 1e12, cpu_bw=hw.cpu_bw, cpu_flops=hw.cpu_gflops * 1e9,
-            pcie_bw=hw.pcie_bw, dense_layer_s=dense_layer, fixed_pass_s=dense_blocks + head,
+            pcie_bw=hw.pcie_bw * n_dev, dense_layer_s=dense_layer,
+            fixed_pass_s=dense_blocks + head + (n_dev - 1) * hw.sync_us * 1e-6,
             draft_token_s=draft_s, sync_s=hw.sync_us * 1e-6,
-            vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
+            vram_bytes=hw.vram_GB * 1e9 * n_dev, static_bytes=static,
         )
 
     @classmethod
