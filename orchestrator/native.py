@@ -11,6 +11,7 @@ memory (ExpertEngine, Routing). The RPC backend's server and client side are orc
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
@@ -154,6 +155,21 @@ def ggml_library(name: str = "ggml") -> ctypes.CDLL:
     from llama_cpp import llama_cpp as low
 
     return ctypes.CDLL(str(Path(low._lib._name).parent / f"lib{name}.so.0"))
+
+
+@functools.lru_cache(maxsize=None)
+def ggml_device_api() -> ctypes.CDLL:
+    """libggml with its device registry's functions typed (placement, the RPC backend)."""
+    g = ggml_library("ggml")
+    for name, restype, argtypes in (
+            ("ggml_backend_dev_count", c_size_t, []), ("ggml_backend_dev_get", c_void_p, [c_size_t]),
+            ("ggml_backend_dev_type", ctypes.c_int, [c_void_p]), ("ggml_backend_dev_name", c_char_p, [c_void_p]),
+            ("ggml_backend_dev_memory", None, [c_void_p, POINTER(c_size_t), POINTER(c_size_t)]),
+            ("ggml_backend_dev_by_type", c_void_p, [ctypes.c_int]), ("ggml_backend_dev_by_name", c_void_p, [c_char_p]),
+            ("ggml_backend_register", None, [c_void_p])):
+        fn = getattr(g, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return g
 
 
 def _ctx_ptr(ctx) -> c_void_p:

@@ -151,17 +151,9 @@ def model_sizes(path: str | Path) -> ModelSizes:
 def devices() -> list[tuple[str, int, int, int]]:
     """Every ggml device as (name, type, free bytes, total bytes); type 1 is a GPU
     (ggml_backend_dev_type). Read from ggml's backend registry, which llama.cpp fills."""
-    from orchestrator.native import ggml_library
+    from orchestrator.native import ggml_device_api
 
-    g = ggml_library("ggml")
-    g.ggml_backend_dev_count.restype = ctypes.c_size_t
-    g.ggml_backend_dev_get.restype = ctypes.c_void_p
-    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    g.ggml_backend_dev_type.restype = ctypes.c_int
-    g.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_dev_name.restype = ctypes.c_char_p
-    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    g = ggml_device_api()
     out = []
     for i in range(g.ggml_backend_dev_count()):
         dev = g.ggml_backend_dev_get(i)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from orchestrator.native import NativeError, ggml_library
+from orchestrator.native import NativeError, ggml_device_api, ggml_library
 
 WARNING = ("the RPC protocol is not authenticated or encrypted: anyone who reaches this port can "
            "run computations on this machine and read what it holds. Never expose it to an untrusted network.")
@@ -58,21 +58,6 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _ggml():
-    g = ggml_library("ggml")
-    g.ggml_backend_dev_count.restype = ctypes.c_size_t
-    g.ggml_backend_dev_get.restype = ctypes.c_void_p
-    g.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    g.ggml_backend_dev_name.restype = ctypes.c_char_p
-    g.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    g.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    g.ggml_backend_dev_by_name.restype = ctypes.c_void_p
-    g.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
-    g.ggml_backend_register.argtypes = [ctypes.c_void_p]
-    return g
-
-
 def _device_names(g) -> list[str]:
     return [g.ggml_backend_dev_name(g.ggml_backend_dev_get(i)).decode() for i in range(g.ggml_backend_dev_count())]
 
@@ -84,7 +69,7 @@ def serve(endpoint: str, n_threads: int = 1, device: str | None = None, on_ready
     from llama_cpp import llama_cpp as low  # loads libllama, which registers the backends
 
     low.llama_backend_init()
-    g = _ggml()
+    g = ggml_device_api()
     dev = (g.ggml_backend_dev_by_name(device.encode()) if device
            else g.ggml_backend_dev_by_type(_DEVICE_TYPE_GPU) or g.ggml_backend_dev_by_type(_DEVICE_TYPE_CPU))
     if not dev:
@@ -107,7 +92,7 @@ def register_servers(endpoints, timeout_s: float = 5.0) -> list[str]:
     """Make the devices of RPC servers known to ggml in this process, as llama.cpp's --rpc
     does; their names (RPC0, RPC1, ...) in the order given. NativeError names a server that does
     not answer within timeout_s (ggml itself would abort the process)."""
-    g, rpc = _ggml(), ggml_library("ggml-rpc")
+    g, rpc = ggml_device_api(), ggml_library("ggml-rpc")
     _exit_on_ggml_abort()
     rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
