@@ -32,16 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.host_layout import cpu_model_and_flags
 from orchestrator.llm import Context, Model
 from orchestrator.native import ExpertEngine, Routing
 from orchestrator.plan import Plan
 from orchestrator.rpc import rpc_device
 from orchestrator.synthetic_models import PRESETS, synthetic_tensors
-
-
-def cpu_flags() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return " ".join(f for f in flags.split() if f.startswith(("avx", "amx")))
 
 
 def main() -> None:
@@ -56,7 +52,9 @@ def main() -> None:
                          "experts a layer's router chose, once it has run")
     args = ap.parse_args()
 
-    print(f"CPU flags: {cpu_flags()}; load average {os.getloadavg()[0]:.2f} at start")
+    model_name, flags = cpu_model_and_flags()
+    print(f"CPU: {model_name}, flags {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx'))))}; "
+          f"load average {os.getloadavg()[0]:.2f} at start")
     with tempfile.TemporaryDirectory() as tmp, rpc_device(n_threads=1) as device:
         cfg = replace(PRESETS[args.preset], n_layer=args.n_layer, n_vocab=512)
         path = Path(tmp) / f"{args.preset}-{args.n_layer}l-q4_0.gguf"

@@ -279,7 +279,7 @@ class ExpertEngine:
         p.no_evict = bool(no_evict)
         p.copy_delay_us = int(copy_delay_us)
         p.skip_absent = bool(skip_absent)
-        stream = {False: "off", True: "ahead"}.get(stream_prefill, stream_prefill) if isinstance(stream_prefill, bool) else stream_prefill
+        stream = ("ahead" if stream_prefill else "off") if isinstance(stream_prefill, bool) else stream_prefill
         if stream not in STREAM_PREFILL:
             raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)} (or a bool), got {stream_prefill!r}")
         p.stream_prefill = STREAM_PREFILL[stream]
