@@ -4,6 +4,7 @@
 #   bench/gpu_checks.sh correct  OUT_DIR   # lossless + tolerance checks with the pool on CUDA0
 #   bench/gpu_checks.sh truth    OUT_DIR   # bench_sim_truth.py on CUDA0: predicted vs measured tok/s
 #   bench/gpu_checks.sh peer     OUT_DIR   # llama.cpp -ngl 99 --n-cpu-moe on the same target
+#   bench/gpu_checks.sh prefill  OUT_DIR   # streamed prefill against llama.cpp's op offload (issue 23)
 #
 # Needs: spac importable by `python3` (a CUDA build, scripts/install.sh --cuda), the device SPAC_DEVICE
 # names (default CUDA0),
@@ -11,7 +12,7 @@
 # threads (default: half the cores, llama.cpp's usual choice on SMT machines). Every stage
 # prints the GPU and the CPU's flags first, and writes its logs and JSON under OUT_DIR.
 set -euo pipefail
-stage=${1:?stage: correct, truth or peer}
+stage=${1:?stage: correct, truth, peer or prefill}
 out=${2:?output directory}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -69,7 +70,7 @@ EOF
     ;;
 truth)
     make_target
-    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap \
+    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap --repeats ${SPAC_TRUTH_REPEATS:-3} \
         --json "$out/sim-truth.json" --keep "$out/sim-truth-keep" 2>&1 | tee "$out/sim-truth.log"
     tar -C "$out" -czf "$out/sim-truth-keep.tgz" sim-truth-keep && rm -r "$out/sim-truth-keep"
     ;;
@@ -112,6 +113,13 @@ print(f"llama-speculative-simple -ngl 99 -ngld 99 --n-cpu-moe {ncmoe} γ≤8: {n
 EOF
     done
     ;;
+prefill)
+    # a Qwen3-30B-A3B-shaped prompt through the pool (25%) against llama.cpp's -ngl 99 --cpu-moe
+    # with and without op offload, and every expert resident (the GPU's compute alone)
+    PYTHONUNBUFFERED=1 "$py" bench/bench_stream_prefill.py --device "$device" -t "$threads" --preset qwen3-30b-a3b \
+        --n-layer ${SPAC_PREFILL_LAYERS:-8} --tokens 512,2048 --repeats 5 --json "$out/stream-prefill.json" 2>&1 \
+        | tee "$out/stream-prefill.log"
+    ;;
 *)
-    echo "unknown stage $stage (correct, truth, peer)" >&2; exit 2 ;;
+    echo "unknown stage $stage (correct, truth, peer, prefill)" >&2; exit 2 ;;
 esac

@@ -240,9 +240,13 @@ class Context:
     """One sequence on one model: decode token runs, read logits, trim the KV cache."""
 
     def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_threads: int = 2,
-                 kv_f32: bool = False, cb_eval=None, cb_eval_user_data=None):
+                 kv_f32: bool = False, cb_eval=None, cb_eval_user_data=None, op_offload: bool = True):
+        """op_offload: llama.cpp's default for a batch of 32+ tokens on a model with device layers,
+        computing host-resident weights' ops on the device by copying the weights there
+        (False: llama.cpp's --no-op-offload, they compute on the host)."""
         self.model = model
         params = L.llama_context_default_params()
+        params.op_offload = op_offload
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
         params.n_threads = params.n_threads_batch = n_threads
