@@ -3,9 +3,10 @@
     .venv/bin/python bench/bench_stream_prefill.py [--preset olmoe-1b-7b] [--n-layer 4] [--tokens 512]
     python bench/bench_stream_prefill.py --device CUDA0 -t 8 --preset qwen3-30b-a3b --tokens 2048
 
-Model: synthetic layers of a named shape (random Q4_0 weights). The pool holds --budget of the
-experts, filled by a plan from the prompt's own routing (the experts it uses most). Per prefill
-of --tokens tokens (one ubatch, --repeats times, medians):
+Model: synthetic layers of a named shape (random zero-mean Q4_0 weights: a prompt's routing spreads
+over the experts). The pool holds --budget of the experts, filled by a plan from the prompt's own
+routing (the experts it uses most). Per prefill of --tokens tokens (one ubatch, --repeats times,
+medians):
 
   all-host   no pool: llama.cpp's prefill with the experts in host RAM, on this CPU
   streamed   every expert on the device: the resident ones in place, the others copied into
@@ -161,7 +162,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, pool_device as device:
         cfg = replace(PRESETS[args.preset], n_layer=args.n_layer, n_vocab=512)
         path = Path(tmp) / f"{args.preset}-{args.n_layer}l-q4_0.gguf"
-        write_gguf(path, cfg, synthetic_tensors(cfg, seed=0), byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
+        # zero-mean weights: a prompt's routing spread over the experts as a trained model's is
+        write_gguf(path, cfg, synthetic_tensors(cfg, seed=0, zero_mean=True), byte_level_bpe_tokenizer(cfg.n_vocab),
+                   dtype="q4_0")
         # on a GPU, llama.cpp's -ngl 99 --cpu-moe: the pool and llama.cpp's peers share that placement
         model = Model(path, n_gpu_layers=-1 if gpu else 0, repack="off")
         rows = []

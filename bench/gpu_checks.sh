@@ -117,7 +117,7 @@ prefill)
     # a Qwen3-30B-A3B-shaped prompt through the pool (25%) against llama.cpp's -ngl 99 --cpu-moe
     # with and without op offload, and every expert resident (the GPU's compute alone)
     PYTHONUNBUFFERED=1 "$py" bench/bench_stream_prefill.py --device "$device" -t "$threads" --preset qwen3-30b-a3b \
-        --n-layer ${SPAC_PREFILL_LAYERS:-8} --tokens 512,2048 --repeats 5 --json "$out/stream-prefill.json" 2>&1 \
+        --n-layer ${SPAC_PREFILL_LAYERS:-8} --tokens 512,2048 --repeats ${SPAC_PREFILL_REPEATS:-5} --json "$out/stream-prefill.json" 2>&1 \
         | tee "$out/stream-prefill.log"
     ;;
 *)

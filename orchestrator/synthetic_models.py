@@ -33,23 +33,39 @@ PRESETS: dict[str, ModelConfig] = {
 
 Q4_0_BLOCK = 32
 NIBBLE_STD = float(np.sqrt(((np.arange(16) - 8.0) ** 2).mean()))  # std of (q - 8), q uniform in 0..15
+# zero_mean: nibble 0 (-8) drawn as 8 (0), so q - 8 is uniform over -7..7 plus extra zeros: mean 0
+ZERO_MEAN_NIBBLE_STD = float(np.sqrt(((np.arange(1, 16) - 8.0) ** 2).sum() / 16))
 
 
-def random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
-    """Raw Q4_0 blocks (f16 scale + 16 bytes of nibbles) for a float tensor of `shape`."""
+def random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator, zero_mean: bool = False) -> np.ndarray:
+    """Raw Q4_0 blocks (f16 scale + 16 bytes of nibbles) for a float tensor of `shape`.
+
+    Uniform nibbles give weights of mean -0.5 scale: every layer then adds a vector common to
+    all tokens to the residual stream, and from the second MoE layer on every token of a prompt
+    picks the same top-k experts. zero_mean keeps the routing of a prompt spread over the
+    experts (all 128 used by 512 tokens of the qwen3-30b-a3b shape, the 32 busiest taking a third
+    of the picks, as in a trained model) at the cost of one value in 16 being 0."""
     rows, n = int(np.prod(shape[:-1])), shape[-1]
     blocks = np.empty((rows, n // Q4_0_BLOCK, 18), dtype=np.uint8)
-    blocks[:, :, :2] = np.frombuffer(np.float16(std / NIBBLE_STD).tobytes(), dtype=np.uint8)
-    blocks[:, :, 2:] = rng.integers(0, 256, size=(rows, n // Q4_0_BLOCK, 16), dtype=np.uint8)
+    scale = std / (ZERO_MEAN_NIBBLE_STD if zero_mean else NIBBLE_STD)
+    blocks[:, :, :2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    q = rng.integers(0, 256, size=(rows, n // Q4_0_BLOCK, 16), dtype=np.uint8)
+    if zero_mean:
+        lo, hi = q & 15, q >> 4
+        lo[lo == 0] = 8
+        hi[hi == 0] = 8
+        q = lo | (hi << 4)
+    blocks[:, :, 2:] = q
     return blocks.reshape(*shape[:-1], n // Q4_0_BLOCK * 18)
 
 
-def synthetic_tensors(cfg: ModelConfig, seed: int) -> dict:
+def synthetic_tensors(cfg: ModelConfig, seed: int, zero_mean: bool = False) -> dict:
+    """Random Q4_0 weights (norms 1) of a preset's shape, as callables; zero_mean: see random_q4_0."""
     def make(name: str, shape: tuple[int, ...], i: int):
         def f():
             if len(shape) == 1:
                 return np.ones(shape, np.float32)
             rng = np.random.default_rng([seed, i])
-            return random_q4_0(shape, shape[-1] ** -0.5 if "token_embd" not in name else 1.0, rng)
+            return random_q4_0(shape, shape[-1] ** -0.5 if "token_embd" not in name else 1.0, rng, zero_mean)
         return f
     return {n: make(n, s, i) for i, (n, s) in enumerate(tensor_shapes(cfg).items())}
