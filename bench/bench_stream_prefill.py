@@ -152,6 +152,9 @@ def main() -> None:
                     help="'rpc' (an RPC server on 127.0.0.1, 1 thread) or a ggml device name such as CUDA0")
     ap.add_argument("-t", "--threads", type=int, default=1, help="host threads")
     ap.add_argument("--json", type=Path, help="also write the rows here (a JSON list of objects)")
+    ap.add_argument("--no-mmap", dest="mmap", action="store_false",
+                    help="llama.cpp's --no-mmap: host weights in the GPU's pinned host buffers (the peers' copies "
+                         "from pinned memory; the pool's staging still reads the file mapping)")
     args = ap.parse_args()
 
     model_name, flags = cpu_model_and_flags()
@@ -166,7 +169,7 @@ def main() -> None:
         write_gguf(path, cfg, synthetic_tensors(cfg, seed=0, zero_mean=True), byte_level_bpe_tokenizer(cfg.n_vocab),
                    dtype="q4_0")
         # on a GPU, llama.cpp's -ngl 99 --cpu-moe: the pool and llama.cpp's peers share that placement
-        model = Model(path, n_gpu_layers=-1 if gpu else 0, repack="off")
+        model = Model(path, n_gpu_layers=-1 if gpu else 0, repack="off", mmap=args.mmap)
         rows = []
         for n_tokens in args.tokens:
             rows += prefill_rows(args, cfg, path, model, device, n_tokens)
@@ -174,7 +177,7 @@ def main() -> None:
     print(f"  load average {os.getloadavg()[0]:.2f} at the end")
     if args.json:
         args.json.write_text(json.dumps([{"device": args.device, "preset": args.preset, "n_layer": args.n_layer,
-                                          "threads": args.threads, **r} for r in rows], indent=1))
+                                          "threads": args.threads, "mmap": args.mmap, **r} for r in rows], indent=1))
 
 
 if __name__ == "__main__":

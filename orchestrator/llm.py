@@ -124,11 +124,13 @@ class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
-                 verbose: bool = False, check_tensors: bool = False):
+                 verbose: bool = False, check_tensors: bool = False, mmap: bool = True):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies). repack: the host weights' layout,
         auto | on | off (`host_layout`; auto measures with n_threads, the contexts' threads).
-        check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load."""
+        check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
+        mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
+        host buffers, which the GPU copies from several times faster than from a mapped file)."""
         global _load_errors
         from orchestrator import host_layout
 
@@ -140,6 +142,8 @@ class Model:
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = self.layout.use_extra_bufts
         params.check_tensors = check_tensors
+        if not mmap:
+            params.load_mode = L.LLAMA_LOAD_MODE_NONE
         overrides = self.layout.overrides()
         if n_gpu_layers != 0:  # llama.cpp's --cpu-moe (plain unless --repack on: see host_layout)
             overrides.append((_EXPERTS_PATTERN, _cpu_buffer_type()))
