@@ -81,6 +81,7 @@ class SessionConfig:
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
     repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.host_layout)
+    mmap: bool = True  # False: llama.cpp's --no-mmap (a GPU's pinned host buffers: faster pool copies)
     engine: bool | None = None   # None: on when the native engine is built, else off
     device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
     stream_prefill: str | bool | None = None  # prompts' experts through the pool (patch 0016): ahead, used,
@@ -175,7 +176,7 @@ class Session:
 
     def _model(self, path, n_gpu_layers: int) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
-                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors)
+                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap)
         self._models.append(m)
         return m
 

@@ -162,3 +162,28 @@ def test_streamed_prefill_on_rpc_device(tmp_path):
 
 if __name__ == "__main__":
     rpc_main(check_streamed_prefill_on_rpc_device)
+
+
+def test_a_model_read_without_mmap_gives_the_same_logits(models):
+    """--no-mmap (llama.cpp's load mode none): the host weights are read into memory, which on a GPU
+    is its pinned host buffer and the pool's copy source (patch 0017; the CPU device has no such
+    buffer, so the pool reads its mapping of the file): the same logits as a mapped model's, for a
+    streamed prefill and the split decode after it."""
+    path = models["qwen3moe", "q4_0"]
+    out = []
+    for mmap in (True, False):
+        model = Model(path, repack="off", mmap=mmap)
+        ctx = Context(model, n_ctx=1024, n_batch=N_BATCH, n_threads=1)
+        try:
+            with ExpertEngine(ctx.ptr, path, device="CPU", budget_ratio=0.25, stream_prefill="ahead") as engine:
+                some_resident(engine, seed=3)
+                a = prefill(ctx, prompt(300))
+                ctx.decode(prompt(3, seed=1), logits_all=True)
+                out.append((a, ctx.logits().copy(), engine.stats()["n_staged"]))
+        finally:
+            ctx.close()
+            model.close()
+    (a0, b0, staged0), (a1, b1, staged1) = out
+    assert staged0 > 0 and staged1 == staged0
+    np.testing.assert_array_equal(a0, a1)
+    np.testing.assert_array_equal(b0, b1)
