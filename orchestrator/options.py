@@ -474,8 +474,8 @@ def session_setup(opts: RunOptions) -> Setup:
         if opts.device not in names:
             fail(f"--device {opts.device}: no such device; ggml sees {', '.join(names)} (CPU = the test stand-in)")
     try:
-        p = place(sizes, n_ctx, first_gpu(), opts.device,
-                  opts.expert_budget, opts.n_gpu_layers, engine if sizes.expert_bytes else False)
+        p = place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
+                  engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off")
     except PlacementError as e:
         fail(str(e))
     notes = [n for n in (draft_note,) if n]
@@ -499,7 +499,8 @@ def session_setup(opts: RunOptions) -> Setup:
     cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size,
                         n_threads=opts.threads,
                         repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
-                        stream_prefill=None if opts.stream_prefill == "auto" else opts.stream_prefill,
+                        stream_prefill="off" if not p.stream_prefill else None if opts.stream_prefill == "auto"
+                        else opts.stream_prefill,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
                         mmap=opts.mmap)

@@ -7,7 +7,8 @@
 The rule (`place`, a pure function, unit-tested without a GPU), like llama.cpp's `-ngl auto`
 with `--fit`: with a GPU, the non-expert weights of as many layers as fit go to it (all of them
 on any GPU this tool targets), and the pool takes the free device memory left after them, their
-KV cache and a safety margin (no pool if that leaves less than one expert per layer). Without
+KV cache, a safety margin and a streamed prefill's staging slots (no pool if that leaves less
+than one expert per layer; no staging slots, and llama.cpp's prefill, if the pool needs them). Without
 a GPU the pool is off: the CPU pool (`--device CPU`) is a test device, slower than no pool.
 `--expert-budget`, `-ngl` and `--device` override.
 """
@@ -34,6 +35,7 @@ class ModelSizes:
     kv_bytes_per_token: int    # F16 K and V over all layers
     n_experts_total: int = 0   # n_layer_moe * n_expert (for the size of one expert)
     n_ctx_train: int = 0       # the GGUF's context_length
+    staging_bytes: int = 0     # streamed prefill's staging slots: two layers of experts per slot group
 
     @property
     def one_expert(self) -> int:
@@ -54,6 +56,7 @@ class Placement:
     pool_bytes: int        # > 0: a byte budget for the pool
     pool_ratio: float      # > 0: a share of all experts (when pool_bytes is 0)
     note: str              # one line: where things went and why (or why the pool is off)
+    stream_prefill: bool = True  # False: no room for the staging slots beside the pool (the note says so)
 
 
 class PlacementError(ValueError):
@@ -73,10 +76,14 @@ def _mib(n: float) -> str:
 
 
 def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, budget: Budget, ngl: str = "auto",
-          engine: bool | None = None, margin: int = MARGIN) -> Placement:
+          engine: bool | None = None, margin: int = MARGIN, stream: bool = True) -> Placement:
     """The placement for these model sizes, this free GPU memory (gpu: the first GPU, None if
     there is none) and these options (device: --device; budget: --expert-budget; ngl: -ngl;
-    engine: --engine/--no-engine, None = on when possible)."""
+    engine: --engine/--no-engine, None = on when possible; stream: --stream-prefill is not off).
+
+    On a GPU a streamed prefill's staging slots (sizes.staging_bytes) are set aside before the
+    pool takes the rest; where they do not fit beside the pool the pool keeps the room and the
+    prompt takes llama.cpp's prefill (stream_prefill False, said in the note)."""
     n_layer = max(sizes.n_layer, 1)
     want = _layers(ngl, n_layer)
     on_gpu = gpu if device is None or (gpu is not None and gpu.name == device) else None
@@ -100,22 +107,35 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
         why = "--no-engine" if sizes.expert_bytes else "the model has no routed experts"
         return Placement(None, want, 0, 0.0, f"expert pool off ({why}); {want}/{n_layer} layers on {on_gpu.name}")
     left = int(on_gpu.free - used - margin)
+    staging = sizes.staging_bytes if stream else 0
+
+    def with_staging(pool: int, note: str) -> Placement:
+        fits = pool + staging <= left
+        if staging and fits:
+            note += f" + {_mib(staging)} of staging slots for streamed prefill"
+        elif staging:
+            note += (f"; streamed prefill off: its {_mib(staging)} of staging slots do not fit beside the pool "
+                     f"(--stream-prefill off silences this; a smaller --expert-budget makes room)")
+        return Placement(on_gpu.name, want, pool, 0.0, note, stream_prefill=not staging or fits)
+
     if not budget.auto:
         pool = budget.nbytes or int(budget.ratio * sizes.expert_bytes)
         if pool > left:
             raise PlacementError(f"--expert-budget {_mib(pool)} does not fit {on_gpu.name}: {_mib(max(left, 0))} free "
                                  f"after {want} layers' weights and KV cache and a {_mib(margin)} margin")
-        return Placement(on_gpu.name, want, min(pool, sizes.expert_bytes), 0.0,
-                         f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(min(pool, sizes.expert_bytes))}")
+        pool = min(pool, sizes.expert_bytes)
+        return with_staging(pool, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(pool)}")
     if left < max(sizes.one_expert * n_layer, 1):  # less than one slot per layer: not worth a pool
         if engine:
             raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
                                  f"{_mib(used)} for {want} layers' weights and KV cache); lower -ngl or --ctx-size")
         return Placement(None, want, 0, 0.0, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
                          f"({_mib(on_gpu.free)} free, {_mib(used)} for their weights and KV cache)")
-    pool = min(left, sizes.expert_bytes)
-    return Placement(on_gpu.name, want, pool, 0.0, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool "
-                     f"{_mib(pool)} ({pool / sizes.expert_bytes:.0%} of the experts)")
+    # the staging slots first, unless the pool would then drop below one slot per layer
+    room = left - staging if left - staging >= sizes.one_expert * n_layer else left
+    pool = min(room, sizes.expert_bytes)
+    return with_staging(pool, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(pool)} "
+                              f"({pool / sizes.expert_bytes:.0%} of the experts)")
 
 
 # ----------------------------------------------------------------------------- inputs of the rule
@@ -142,10 +162,17 @@ def model_sizes(path: str | Path) -> ModelSizes:
     n_expert = int(get(k(gguf.Keys.LLM.EXPERT_COUNT), 0))
     expert = sum(int(t.n_bytes) for t in r.tensors if _EXPERT_TENSOR in t.name + ".")
     other = sum(int(t.n_bytes) for t in r.tensors) - expert
-    n_moe = len({t.name.split(".")[1] for t in r.tensors if _EXPERT_TENSOR in t.name + "." and t.name.startswith("blk.")})
+    layers: dict[str, list] = {}  # MoE block -> its expert tensors
+    for t in r.tensors:
+        if _EXPERT_TENSOR in t.name + "." and t.name.startswith("blk."):
+            layers.setdefault(t.name.split(".")[1], []).append(t)
+    # the engine's slot groups: layers whose expert tensors agree in type and shape share slots,
+    # and a streamed prefill stages two layers of experts per group besides the pool
+    groups = {tuple(sorted((t.name.split(".", 2)[2], t.tensor_type, tuple(t.shape)) for t in ts)):
+              sum(int(t.n_bytes) for t in ts) for ts in layers.values()}
     return ModelSizes(n_layer=n_layer, expert_bytes=expert, non_expert_bytes=other,
-                      kv_bytes_per_token=2 * n_layer * n_head_kv * (k_len + v_len), n_experts_total=n_moe * n_expert,
-                      n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)))
+                      kv_bytes_per_token=2 * n_layer * n_head_kv * (k_len + v_len), n_experts_total=len(layers) * n_expert,
+                      n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)), staging_bytes=2 * sum(groups.values()))
 
 
 def devices() -> list[tuple[str, int, int, int]]:

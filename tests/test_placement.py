@@ -157,3 +157,40 @@ def test_offloaded_layers_keep_their_experts_on_the_host(tmp_path):
     res = subprocess.run([sys.executable, "-c", OFFLOAD_CHECK, str(tmp_path)], capture_output=True, text=True,
                          timeout=600, cwd=root / "tests", env=env)
     assert "offload check passed" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+# QWEN with one slot group: streamed prefill stages two layers of experts (2 x 128 x 2.75 MiB)
+STAGED = ModelSizes(**{**QWEN.__dict__, "staging_bytes": 2 * QWEN.expert_bytes // 48})
+
+
+def test_the_staging_slots_of_streamed_prefill_come_before_the_pool():
+    gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
+    used = QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096
+    p = place(STAGED, 4096, gpu, None, Budget())
+    assert p.stream_prefill and p.pool_bytes == 12 * GiB - used - MARGIN - STAGED.staging_bytes
+    assert "staging slots for streamed prefill" in p.note
+    # --stream-prefill off: nothing set aside
+    off = place(STAGED, 4096, gpu, None, Budget(), stream=False)
+    assert off.pool_bytes == 12 * GiB - used - MARGIN and "staging" not in off.note
+
+
+def test_streamed_prefill_gives_way_to_a_pool_with_no_room_beside_it():
+    used = QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096
+    # room for one slot per layer, not for that and the staging slots: the pool keeps it
+    tight = GPU("CUDA0", free=used + MARGIN + STAGED.one_expert * 48 + STAGED.staging_bytes // 2, total=8 * GiB)
+    p = place(STAGED, 4096, tight, None, Budget())
+    assert p.device == "CUDA0" and not p.stream_prefill and p.pool_bytes >= STAGED.one_expert * 48
+    assert "streamed prefill off" in p.note and "--stream-prefill off" in p.note
+    # an explicit budget that fills the room: said once, in the placement's note
+    gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
+    left = 12 * GiB - used - MARGIN
+    q = place(STAGED, 4096, gpu, None, Budget(nbytes=left - STAGED.staging_bytes // 2))
+    assert not q.stream_prefill and "streamed prefill off" in q.note
+    assert place(STAGED, 4096, gpu, None, Budget(nbytes=left - STAGED.staging_bytes)).stream_prefill
+
+
+def test_model_sizes_count_the_staging_slots_of_each_slot_group():
+    from orchestrator.models import default_model
+
+    s = model_sizes(default_model("target"))  # one group: every MoE layer alike
+    assert s.staging_bytes == 2 * s.expert_bytes // s.n_layer
