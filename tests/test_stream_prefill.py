@@ -12,6 +12,7 @@ import pytest
 from orchestrator.gguf_export import make_random_model
 from orchestrator.llm import Context, Model
 from orchestrator.native import ExpertEngine, Routing, engine_built
+from orchestrator.placement import model_sizes
 from orchestrator.plan import Plan
 
 from engine_common import model_config, rpc_main, run_in_own_process
@@ -187,3 +188,28 @@ def test_a_model_read_without_mmap_gives_the_same_logits(models):
     assert staged0 > 0 and staged1 == staged0
     np.testing.assert_array_equal(a0, a1)
     np.testing.assert_array_equal(b0, b1)
+
+
+@pytest.mark.parametrize("mode", ["ahead", "used"])
+def test_a_pool_smaller_than_one_layer_streams_through_its_staging_slots(models, mode):
+    """The staging slots, not the pool, hold a streamed layer's experts: a pool of fewer slots
+    than one layer has experts (here 3 in all) still streams the whole prompt, bit-identically."""
+    path = models["qwen3moe", "q4_0"]
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=1024, n_batch=N_BATCH, n_threads=2)
+    try:
+        reference = prefill(ctx, prompt(300))
+        one_expert = model_sizes(path).one_expert
+        with ExpertEngine(ctx.ptr, path, budget_bytes=3 * one_expert, stream_prefill=mode) as engine:
+            n_expert = engine.n_expert
+            assert 0 < engine.stats()["n_slots"] < n_expert
+            engine.set_plan(Plan(np.ones((engine.n_moe_layers, n_expert), np.uint8),
+                                 np.ones(engine.n_moe_layers, np.int32)))
+            assert engine.wait_idle()
+            engine.reset_stats()
+            assert prefill(ctx, prompt(300)).tobytes() == reference.tobytes()
+            stats = engine.stats()
+            assert stats["n_staged"] > 0 and stats["n_expert_tokens_cpu"] == 0
+    finally:
+        ctx.close()
+        model.close()
