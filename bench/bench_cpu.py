@@ -11,7 +11,8 @@ spac ÷ llama.cpp's default and ÷ the better of its two settings (per phase and
 and each process's peak resident memory.
 
 The files are the OLMoE and Qwen3-30B-A3B shapes with a few layers (`make_synthetic_moe.py`,
-random Q4_0), requantized by stock `llama-quantize` (`--allow-requantize`) to Q4_K_M (which puts
+random zero-mean Q4_0, so that a prompt's routing spreads over the experts as a real model's),
+requantized by stock `llama-quantize` (`--allow-requantize`) to Q4_K_M (which puts
 Q6_K on half of the layers' ffn_down_exps, as real Q4_K_M files do), Q8_0 and IQ4_NL; cached
 under --dir.
 
@@ -138,7 +139,9 @@ def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*", type=Path, help="GGUF files (default: build the synthetic set)")
-    ap.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench_cpu", help="where the built files are cached")
+    # zero-mean/: not the earlier files of uniform nibbles, whose prompts all routed to 8 experts per layer
+    ap.add_argument("--dir", type=Path, default=ROOT / "runs" / "bench_cpu" / "zero-mean",
+                    help="where the built files are cached")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--shapes", default=",".join(SHAPES))

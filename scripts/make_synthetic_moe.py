@@ -5,8 +5,11 @@ dimensions of named models, written tensor by tensor (never the whole model in R
     python scripts/make_synthetic_moe.py qwen3-30b-a3b runs/synth/qwen3-30b-4l.gguf --n-layer 4
     python scripts/make_synthetic_moe.py olmoe-1b-7b out.gguf --check   # then load it, generate, report peak RSS
 
-Weights are random 4-bit blocks (uniform nibbles, per-block scale giving std 1/sqrt(fan_in)),
-norms are ones: the numbers mean nothing, the shapes, sizes and kernels are the real ones.
+Weights are random 4-bit blocks of mean zero (per-block scale giving std 1/sqrt(fan_in)), norms
+are ones: the numbers mean nothing, the shapes, sizes and kernels are the real ones, and so is the
+spread of a prompt's routing over the experts. --uniform-nibbles writes the earlier files, whose
+weights have mean -0.5 scale: from the second MoE layer on every token of a prompt picks the same
+experts (a prefill then multiplies 8 experts by every token instead of all of them by a few).
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def main(preset: str = typer.Argument(..., help=" | ".join(PRESETS)), out: Path = typer.Argument(...),
          n_layer: int = typer.Option(None, help="fewer layers than the real model"),
-         seed: int = typer.Option(0), run_check: bool = typer.Option(False, "--check")):
+         seed: int = typer.Option(0), run_check: bool = typer.Option(False, "--check"),
+         uniform_nibbles: bool = typer.Option(False, "--uniform-nibbles",
+                                              help="the earlier weights (mean -0.5 scale: degenerate routing)")):
     if preset not in PRESETS:
         typer.echo(f"error: unknown preset {preset!r}; expected one of {sorted(PRESETS)}", err=True)
         raise typer.Exit(2)
     cfg = PRESETS[preset] if n_layer is None else replace(PRESETS[preset], n_layer=n_layer)
-    tensors = synthetic_tensors(cfg, seed)
+    tensors = synthetic_tensors(cfg, seed, zero_mean=not uniform_nibbles)
     t0 = time.time()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task(f"{preset} Q4_0", total=len(tensors))
