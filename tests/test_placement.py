@@ -194,3 +194,24 @@ def test_model_sizes_count_the_staging_slots_of_each_slot_group():
 
     s = model_sizes(default_model("target"))  # one group: every MoE layer alike
     assert s.staging_bytes == 2 * s.expert_bytes // s.n_layer
+
+
+def test_a_session_on_a_gpu_without_room_for_staging_streams_nothing_and_says_why(monkeypatch):
+    """Through the options: the header line says streamed prefill is off and the session's stream
+    mode is off; an explicit --stream-prefill ahead is refused with exit 2 instead."""
+    import orchestrator.placement as placement
+    from orchestrator.models import default_model
+    from orchestrator.options import RunOptions, session_setup
+
+    target = default_model("target")
+    s = model_sizes(target)
+    used = s.non_expert_bytes + s.kv_bytes_per_token * 512
+    # a "GPU" with room for a pool of one slot per layer and half the staging slots
+    gpu = GPU("CUDA0", free=used + MARGIN + s.one_expert * s.n_layer + s.staging_bytes // 2, total=8 * GiB)
+    monkeypatch.setattr(placement, "first_gpu", lambda: gpu)
+    setup = session_setup(RunOptions(model=target, ctx_size=512))
+    assert setup.config.stream_prefill == "off" and setup.config.device == "CUDA0"
+    assert any("streamed prefill off" in n for n in setup.notes)
+    with pytest.raises(typer.Exit) as e:
+        session_setup(RunOptions(model=target, ctx_size=512, stream_prefill="ahead"))
+    assert e.value.exit_code == 2
