@@ -48,9 +48,12 @@ MAX_BENCH_EXPERTS = 32
 # likewise rows of a dense weight (the output head has a row per vocabulary entry): the time per
 # row is the same for every block of rows
 MAX_BENCH_ROWS = 4096
-# a dense weight leaves the file's mapping only for a clear gain: the sampled rows run from cache
-# where a real pass streams them (in a run, Q6_K's 1.2x measured in AMX's layout bought no decode
-# speed). Its copy replaces the mapped pages it was read from (patch 0014), so memory is not the cost.
+# a dense weight leaves the file's mapping for AMX's layout only for a clear gain: the sampled rows
+# run from cache where a real pass streams them (in a run, Q6_K's 1.2x measured in AMX's layout
+# bought no decode speed). Its copy replaces the mapped pages it was read from (patch 0014), so
+# memory is not the cost. CPU_REPACK is llama.cpp's own default for these weights and is kept
+# wherever it measures no slower: Q4_0 attention at 1.15-1.19x here was worth 1.38x in whole decode
+# passes of a 4-layer Qwen3-30B-A3B shape (spac 0.72x llama.cpp's default with it plain, 1.14x repacked).
 DENSE_MIN_GAIN = 1.25
 _GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
 
@@ -395,6 +398,19 @@ def _timed_dense(ggml_type: int, shapes: list[tuple[int, int]], n_threads: int, 
     return out
 
 
+def dense_layout(ms: dict[str, list[float]]) -> str:
+    """The dense weights' buffer type from their times per buffer type: decode (one token and the
+    verify batch) decides, as for the experts; the fastest layout that beats the plain one by its
+    margin (none for CPU_REPACK, DENSE_MIN_GAIN for any other), else plain."""
+    plain = ms["CPU"][0] + ms["CPU"][1]
+    for buft in sorted(ms, key=lambda b: ms[b][0] + ms[b][1]):
+        if buft == "CPU":
+            return "CPU"
+        if plain / (ms[buft][0] + ms[buft][1]) >= (1.0 if buft == REPACK_BUFT else DENSE_MIN_GAIN):
+            return buft
+    return "CPU"
+
+
 def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool = False,
            cache: Path | None = None) -> HostLayout:
     """The host layout of the weights of the GGUF at `path` under `--repack mode`.
@@ -457,12 +473,11 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         ms = cached[key]
         if not ms:
             continue
-        # decode (one token and the verify batch) decides, as for the experts
         best = min(ms, key=lambda b: ms[b][0] + ms[b][1])
         plain = ms["CPU"]
         gain = (plain[0] + plain[1]) / (ms[best][0] + ms[best][1])
         why = f"{best}: decode {gain:.2f}x, prefill {plain[2] / ms[best][2]:.2f}x"
-        layout.dense[name] = DenseChoice(name, best if gain >= DENSE_MIN_GAIN else "CPU", why, ms)
+        layout.dense[name] = DenseChoice(name, dense_layout(ms), why, ms)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")

@@ -60,9 +60,7 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
     experts = [k for k in cache if "|dense|" not in k]
     assert len(experts) == sum(c.repack_ms is not None or c.plain_ms == [] for c in layout.types.values())
     for choice in layout.dense.values():  # the dense weights' buffer type: the fastest at decoding, by a margin
-        best = min(choice.ms, key=lambda b: sum(choice.ms[b][:2]))
-        gain = sum(choice.ms["CPU"][:2]) / sum(choice.ms[best][:2])
-        assert choice.buft == (best if gain >= host_layout.DENSE_MIN_GAIN else "CPU")
+        assert choice.buft == host_layout.dense_layout(choice.ms)
     again = host_layout.choose(files["q4_k_m"], n_threads=2)
     assert again.report() == layout.report() and again.repacked == layout.repacked
 
@@ -270,3 +268,13 @@ def test_amx_mul_mat_equals_the_plain_kernel(type_name):
         x = rng.standard_normal((b, m, 256), dtype=np.float32)
         plain, amx = mul_mat("CPU", ggml_type, w, x), mul_mat("AMX", ggml_type, w, x)
         assert np.abs(amx - plain).max() <= 1e-5 * np.abs(plain).max(), (type_name, m, b)
+
+
+def test_dense_weights_keep_llama_cpps_repacked_layout_unless_slower_and_need_a_margin_for_amx():
+    ms = lambda plain, repack, amx: {"CPU": [plain, plain, 1.0], "CPU_REPACK": [repack, repack, 1.0],
+                                     "AMX": [amx, amx, 1.0]}
+    assert host_layout.dense_layout(ms(1.0, 0.95, 2.0)) == "CPU_REPACK"  # 1.05x: llama.cpp's default kept
+    assert host_layout.dense_layout(ms(1.0, 1.05, 2.0)) == "CPU"         # repacked measured slower
+    assert host_layout.dense_layout(ms(1.0, 0.9, 0.85)) == "CPU_REPACK"  # AMX 1.18x: under its margin
+    assert host_layout.dense_layout(ms(1.0, 0.9, 0.7)) == "AMX"
+    assert host_layout.dense_layout({"CPU": [1.0, 1.0, 1.0], "AMX": [0.9, 0.9, 1.0]}) == "CPU"
