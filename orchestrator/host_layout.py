@@ -473,11 +473,12 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         ms = cached[key]
         if not ms:
             continue
-        best = min(ms, key=lambda b: ms[b][0] + ms[b][1])
+        chosen = dense_layout(ms)
+        shown = chosen if chosen != "CPU" else min(ms, key=lambda b: ms[b][0] + ms[b][1])  # else the best refused
         plain = ms["CPU"]
-        gain = (plain[0] + plain[1]) / (ms[best][0] + ms[best][1])
-        why = f"{best}: decode {gain:.2f}x, prefill {plain[2] / ms[best][2]:.2f}x"
-        layout.dense[name] = DenseChoice(name, dense_layout(ms), why, ms)
+        gain = (plain[0] + plain[1]) / (ms[shown][0] + ms[shown][1])
+        why = f"{shown}: decode {gain:.2f}x, prefill {plain[2] / ms[shown][2]:.2f}x"
+        layout.dense[name] = DenseChoice(name, chosen, why, ms)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")

@@ -479,7 +479,7 @@ def session_setup(opts: RunOptions) -> Setup:
     except PlacementError as e:
         fail(str(e))
     if not p.stream_prefill and opts.stream_prefill in ("ahead", "used"):  # asked for: an error, not a note
-        fail(f"--stream-prefill {opts.stream_prefill}: {p.note.split('streamed prefill off: ', 1)[-1]}")
+        fail(f"--stream-prefill {opts.stream_prefill}: {p.stream_off} (a smaller --expert-budget makes room)")
     notes = [n for n in (draft_note,) if n]
     off = ""
     if not sizes.expert_bytes:

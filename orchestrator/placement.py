@@ -56,7 +56,11 @@ class Placement:
     pool_bytes: int        # > 0: a byte budget for the pool
     pool_ratio: float      # > 0: a share of all experts (when pool_bytes is 0)
     note: str              # one line: where things went and why (or why the pool is off)
-    stream_prefill: bool = True  # False: no room for the staging slots beside the pool (the note says so)
+    stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
+
+    @property
+    def stream_prefill(self) -> bool:
+        return not self.stream_off
 
 
 class PlacementError(ValueError):
@@ -110,13 +114,13 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
     staging = sizes.staging_bytes if stream else 0
 
     def with_staging(pool: int, note: str) -> Placement:
-        fits = pool + staging <= left
-        if staging and fits:
+        off = ""
+        if staging and pool + staging <= left:
             note += f" + {_mib(staging)} of staging slots for streamed prefill"
         elif staging:
-            note += (f"; streamed prefill off: its {_mib(staging)} of staging slots do not fit beside the pool "
-                     f"(--stream-prefill off silences this; a smaller --expert-budget makes room)")
-        return Placement(on_gpu.name, want, pool, 0.0, note, stream_prefill=not staging or fits)
+            off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {on_gpu.name}"
+            note += f"; streamed prefill off: {off} (--stream-prefill off silences this; a smaller --expert-budget makes room)"
+        return Placement(on_gpu.name, want, pool, 0.0, note, stream_off=off)
 
     if not budget.auto:
         pool = budget.nbytes or int(budget.ratio * sizes.expert_bytes)
