@@ -130,7 +130,9 @@ class Model:
         auto | on | off (`host_layout`; auto measures with n_threads, the contexts' threads).
         check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
         mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
-        host buffers, which the GPU copies from several times faster than from a mapped file)."""
+        host buffers, which the GPU copies from several times faster than from a mapped file). The
+        plain twins of repacked weights read the mapping, so without one a prompt runs the
+        repacked kernels (layout.n_plain_twins is 0)."""
         global _load_errors
         from orchestrator import host_layout
 

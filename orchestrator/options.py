@@ -220,7 +220,8 @@ OPTIONS: dict[str, _Opt] = {
     "mmap": _Opt("model", bool, True, typer.Option(
         "--mmap/--no-mmap", help="map the model file (llama.cpp's default); --no-mmap reads the host weights into "
         "memory: with a GPU into its pinned host buffers, which the expert pool and op offload copy from several "
-        "times faster (H100: 55 against 6.3 GB/s)")),
+        "times faster (H100: 55 against 6.3 GB/s); without a GPU it only costs the plain-layout prompt kernels "
+        "of repacked types (they read the mapping)")),
     "recalibrate": _Opt("model", bool, False, typer.Option("--recalibrate", help="measure the unit costs again")),
     "verbose": _Opt("model", bool, False, typer.Option("--verbose", help="llama.cpp logs")),
     "temp": _Opt("sampling", float, 0.8, typer.Option("--temp", help="temperature, 0 = greedy")),
