@@ -176,7 +176,7 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
 
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
                         n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, engine=True, device=device,
-                        budget_ratio=row.budget, calibration_cache=cache)
+                        budget_ratio=row.budget, calibration_cache=cache, mmap=args.mmap)
     policy = StaticPlacement() if row.policy == "static" else LookaheadUtility(miss="cpu")  # the session's default
     with Session(cfg, policy=policy) as s:
         s.complete(WARM_UP, max_tokens=16)
@@ -368,6 +368,9 @@ def main() -> None:
                     help="pool device: 'rpc' (an RPC server on 127.0.0.1 with 1 thread, the stand-in GPU) or a "
                          "ggml device name such as CUDA0")
     ap.add_argument("-t", "--threads", type=int, default=1, help="host threads (profile and live rows)")
+    ap.add_argument("--no-mmap", dest="mmap", action="store_false",
+                    help="load the target as --no-mmap does (profile and live rows): on a GPU the pool then copies "
+                         "from pinned host memory (patch 0017)")
     args = ap.parse_args()
 
     target, draft = args.model, args.model_draft
@@ -396,7 +399,7 @@ def main() -> None:
         if profile is None and rows:
             profile = args.keep_profile or tmp / "profile.toml"
             t = time.monotonic()
-            prof = measure(target, device, args.threads, draft, repeats=args.profile_repeats,
+            prof = measure(target, device, args.threads, draft, repeats=args.profile_repeats, mmap=args.mmap,
                            progress=lambda s: print(f"  profile: {s}", file=sys.stderr, flush=True))
             profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
             print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)

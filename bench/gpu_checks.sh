@@ -9,7 +9,8 @@
 # Needs: spac importable by `python3` (a CUDA build, scripts/install.sh --cuda), the device SPAC_DEVICE
 # names (default CUDA0),
 # and for `peer` LLAMA_BENCH naming a CUDA build of llama-bench. SPAC_THREADS sets the host
-# threads (default: half the cores, llama.cpp's usual choice on SMT machines). Every stage
+# threads (default: half the cores, llama.cpp's usual choice on SMT machines); SPAC_NO_MMAP=1 loads
+# the target as --no-mmap in truth and peer (llama.cpp too: -mmp 0, --no-mmap). Every stage
 # prints the GPU and the CPU's flags first, and writes its logs and JSON under OUT_DIR.
 set -euo pipefail
 stage=${1:?stage: correct, truth, peer or prefill}
@@ -18,6 +19,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 device=${SPAC_DEVICE:-CUDA0}
+no_mmap=${SPAC_NO_MMAP:+--no-mmap}
 threads=${SPAC_THREADS:-$(( $(nproc) / 2 ))}
 spac() { "$py" -m orchestrator.cli "$@"; }
 
@@ -70,7 +72,7 @@ EOF
     ;;
 truth)
     make_target
-    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap --repeats ${SPAC_TRUTH_REPEATS:-3} \
+    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap --repeats ${SPAC_TRUTH_REPEATS:-3} $no_mmap \
         --json "$out/sim-truth.json" --keep "$out/sim-truth-keep" 2>&1 | tee "$out/sim-truth.log"
     tar -C "$out" -czf "$out/sim-truth-keep.tgz" sim-truth-keep && rm -r "$out/sim-truth-keep"
     ;;
@@ -78,7 +80,7 @@ peer)
     make_target
     : "${LLAMA_BENCH:?LLAMA_BENCH must name a CUDA build of llama-bench}"
     # the target has 16 MoE layers: --n-cpu-moe 12 / 8 leave 25% / 50% of the experts on the GPU
-    "$LLAMA_BENCH" -m "$target" -ngl 99 -ncmoe 16,12,8,0 -t "$threads" -p 0 -n 64 -r 3 -o json \
+    "$LLAMA_BENCH" -m "$target" -ngl 99 -ncmoe 16,12,8,0 -t "$threads" -p 0 -n 64 -r 3 -o json ${no_mmap:+-mmp 0} \
         > "$out/llama-bench.json" 2> "$out/llama-bench.err" || { tail -20 "$out/llama-bench.err"; exit 1; }
     "$py" - "$out/llama-bench.json" <<'EOF'
 import json, sys
@@ -89,18 +91,18 @@ EOF
     # prompts and length, γ ≤ 8, greedy
     spec=$(dirname "$LLAMA_BENCH")/llama-speculative-simple
     for ncmoe in 12 8; do
-        "$py" - "$spec" "$target" "$ncmoe" "$threads" <<'EOF'
+        "$py" - "$spec" "$target" "$ncmoe" "$threads" $no_mmap <<'EOF'
 import re, subprocess, sys
 sys.path.insert(0, "bench")
 from bench_sim_truth import PROMPTS
-exe, target, ncmoe, threads = sys.argv[1:]
+exe, target, ncmoe, threads, *no_mmap = sys.argv[1:]
 n = secs = drafted = accepted = 0
 for prompt in PROMPTS[:3]:
     cmd = [exe, "-m", target, "-md", "orchestrator/models/spac-tiny-moe-q4_0.gguf", "--spec-type", "draft-simple",
            "-ngl", "99", "-ngld", "99",
            "--n-cpu-moe", ncmoe, "-p", prompt, "-n", "64", "-c", "512", "-t", threads, "-td", threads,
            "--spec-draft-n-max", "8", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",
-           "--temp", "0", "--top-k", "1", "--seed", "1"]
+           "--temp", "0", "--top-k", "1", "--seed", "1", *no_mmap]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if res.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")

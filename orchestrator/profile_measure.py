@@ -219,13 +219,14 @@ def _fit(rows: list[tuple[int, np.ndarray, float]], tokens) -> tuple[tuple, np.n
 def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path: Path | None = None,
             tokens=TOKENS, repeats: int = 3, name: str = "", progress: Callable[[str], None] = lambda s: None,
             seed: int = 0, layers_on_device: bool | None = None, repack: str | None = None,
-            skip_absent: bool = False, raw: dict | None = None) -> MeasuredProfile:
+            skip_absent: bool = False, raw: dict | None = None, mmap: bool = True) -> MeasuredProfile:
     """Time the passes described in the module docstring and return the profile.
 
     layers_on_device: the non-expert weights on the pool device (-ngl 99; default with a device
     other than the CPU) or on the host. repack: the host weights' layout (default: spac's).
     skip_absent: the live engine's setting on the device (the check pass and the zero slot).
-    raw: filled with the timed passes, {"device"|"host": [(n, token counts of that side's experts, s)]}."""
+    raw: filled with the timed passes, {"device"|"host": [(n, token counts of that side's experts, s)]}.
+    mmap=False: the model as --no-mmap loads it (with a GPU, the pool copies from pinned memory)."""
     from orchestrator.llm import Model
     from orchestrator.native import copies_block_compute
     from orchestrator.placement import devices
@@ -238,7 +239,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         layers_on_device = not on_cpu_pool
     progress(f"loading {Path(model_path).name}")
     layout = {} if repack is None else {"repack": repack}
-    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, **layout)
+    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, mmap=mmap, **layout)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, model.n_vocab, PREFIX)
     # a new batch for every timed pass, as a live run routes new tokens every step (a repeated
