@@ -153,8 +153,8 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=1, help="host threads")
     ap.add_argument("--json", type=Path, help="also write the rows here (a JSON list of objects)")
     ap.add_argument("--no-mmap", dest="mmap", action="store_false",
-                    help="llama.cpp's --no-mmap: host weights in the GPU's pinned host buffers (the peers' copies "
-                         "from pinned memory; the pool's staging still reads the file mapping)")
+                    help="llama.cpp's --no-mmap: host weights in the GPU's pinned host buffers, which both "
+                         "llama.cpp's op offload and the pool's staging (patch 0017) copy from")
     args = ap.parse_args()
 
     model_name, flags = cpu_model_and_flags()
