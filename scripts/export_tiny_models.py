@@ -88,6 +88,7 @@ def main() -> None:
     for tag, name in (("target", "target"), ("draft", "draft-dense")):
         cfg, tensors, ck = load_checkpoint(args.run / f"{tag}.pt")
         tok = Tokenizer.from_hf_json(tok_json, n_vocab=cfg.n_vocab)
+        tok.pre = ck.get("tokenizer_pre", "qwen2")  # checkpoints before the pre-tokenizer was a choice: qwen2
         meta = {"spac.corpus_fingerprint": ck.get("corpus_fingerprint", ""),
                 "spac.training_command": metrics.get("command", "")}
         dtypes = ("f32", "f16") if tag == "target" else ("f32", "f16")

@@ -69,8 +69,9 @@ def main() -> None:
                                                           for g in v["by_gamma"]}, size_mb=round(v["size_mb"], 2))
                                for k, v in report["drafts"].items() if k not in SHIPPED},
         training=dict(
-            command=metrics["command"] + "; python scripts/export_tiny_models.py; "
-                    "python scripts/tiny_model_report.py; python scripts/ship_tiny_models.py",
+            command=metrics["command"] + f"; python scripts/export_tiny_models.py --run {args.run}; "
+                    f"python scripts/tiny_model_report.py --run {args.run} --baseline PREVIOUS-TARGET.gguf; "
+                    f"python scripts/ship_tiny_models.py --run {args.run}",
             seed=metrics["config"]["seed"], wall_seconds=round(metrics["wall_seconds"]),
             target=dict(params=t["params"], steps=metrics["config"]["max_steps"], train_seconds=round(t["train_seconds"]),
                         held_out_loss=round(t["val_loss"], 4), held_out_ppl=round(t["val_ppl"], 2)),
@@ -93,6 +94,21 @@ def main() -> None:
                       argmax_agreement=fid["argmax_agreement"], kv_cache="F32"),
         routing=report["routing"]["layers"],
     )
+    if "first_run" in report:  # tiny_model_report.py --baseline: this model beside the one it replaces
+        man["first_run"] = dict(
+            baseline="the target shipped before this one (PREVIOUS-TARGET.gguf: its sha256 is below)",
+            held_out="every held-out file, in windows of 256 tokens, through llama.cpp; ppl per token of "
+                     "the first model's tokenizer = the same text's NLL over that model's token count",
+            code_prompts="greedy 64-token continuations; ok = the first complete top-level statement parses "
+                         "with ast and does something (tiny_model_report.first_statement)",
+            models={name: dict(gguf=r["gguf"], sha256=r["sha256"],
+                               held_out_tokens=r["held_out"]["tokens"],
+                               held_out_ppl=round(r["held_out"]["ppl"], 2),
+                               bits_per_byte=round(r["held_out"]["bits_per_byte"], 4),
+                               ppl_per_token_of_first=round(r["held_out"]["ppl_per_ref_token"], 2),
+                               code_prompts_ok=f"{r['code_prompts_ok']}/{len(r['code_prompts'])}",
+                               code_prompts={row["prompt"]: row["ok"] for row in r["code_prompts"]})
+                    for name, r in report["first_run"].items()})
     (args.out / "MANIFEST.json").write_text(json.dumps(man, indent=1) + "\n")
     print(json.dumps({k: man[k] for k in ("default_draft", "training")}, indent=1))
 

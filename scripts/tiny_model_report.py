@@ -10,14 +10,24 @@
 3. Greedy acceptance at gamma = 4 and 8 of each draft GGUF on held-out prompts: the target's
    greedy continuation is the reference; a step drafts gamma tokens from the accepted prefix,
    accepts the longest matching prefix, then takes the target's token.
+4. The first run, beside a baseline target GGUF (`--baseline`, e.g. an earlier shipped model):
+   held-out perplexity through llama.cpp over every held-out file (per token, per byte, and per
+   token of the baseline's tokenizer, so models with different tokenizers compare), and
+   greedy 64-token continuations of ten function and class headers (CODE_PROMPTS), each scored
+   by whether its first complete top-level statement parses with `ast` and does something (a
+   body that is more than literals, `pass` and a docstring).
 Writes <run>/report.json and prints a summary.
+
+    python scripts/tiny_model_report.py --run runs/tiny --baseline old-target-f16.gguf --only-first-run
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
+import sysconfig
 import time
 from pathlib import Path
 
@@ -28,6 +38,7 @@ from train_tiny_moe import LM, eval_windows
 
 from orchestrator import models
 from orchestrator.hot_experts import hot_experts, slice_experts
+from orchestrator.models import sha256_file
 
 
 def load_torch(path: Path) -> LM:
@@ -157,6 +168,121 @@ def token_latency(llm, prompt: list[int], n: int = 16) -> float:
         llm.eval([argmax_last(llm)])
     return (time.perf_counter() - t) / n
 
+# --- 4. the first run: held-out perplexity and code prompts, beside a baseline --------------------
+
+CODE_PROMPTS = [  # in the style of the README's "def fibonacci(n):"; written for this report
+    "def fibonacci(n):",
+    "def add(a, b):",
+    "def is_prime(n):",
+    "def read_lines(path):",
+    "def parse_args(argv=None):",
+    "def reverse_words(text):",
+    "def main():",
+    "class Stack:",
+    "class Point:",
+    "class Config(object):",
+]
+
+
+def held_out_nll(gguf_path: Path, texts: list[str], n_ctx: int = 256) -> dict:
+    """Next-token NLL (nats) of llama.cpp's logits over every held-out file, each tokenized by
+    the GGUF's own tokenizer and ended by its end-of-text token, in windows of `n_ctx` tokens.
+    Models with different tokenizers are compared on the same text: per byte, or per token of
+    one of them (`ppl_per_token_of`)."""
+    llm = load_llama(gguf_path, n_ctx=n_ctx)
+    eot = llm.token_eos()
+    ids = []
+    for t in texts:
+        ids += llm.tokenize(t.encode(), add_bos=False, special=False) + [eot]
+    nll = 0.0
+    for s in range(0, len(ids) - 1, n_ctx):
+        w = ids[s:s + n_ctx + 1]
+        llm.reset()
+        llm.eval(w[:-1])
+        logits = np.asarray(llm.scores[: len(w) - 1], dtype=np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= logp[np.arange(len(w) - 1), w[1:]].sum()
+    del llm
+    n_bytes = sum(len(t.encode()) for t in texts)
+    return dict(nll=nll, tokens=len(ids) - 1, bytes=n_bytes, ppl=math.exp(nll / (len(ids) - 1)),
+                bits_per_byte=nll / math.log(2) / n_bytes)
+
+
+def _does_something(stmt: ast.stmt) -> bool:
+    """False for a bare literal (`28166114...`, `1, 1, 1`), and for a def or class whose body is
+    only literals (a docstring among them) and `pass`."""
+    def literal(e: ast.expr) -> bool:  # 1, "s", (1, 1, 1), [0, 0]: what ast.literal_eval accepts
+        try:
+            ast.literal_eval(e)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return False
+        return True
+
+    def trivial(s: ast.stmt) -> bool:
+        return isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and literal(s.value))
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return not all(trivial(s) for s in stmt.body)
+    return not trivial(stmt)
+
+
+def first_statement(text: str) -> tuple[str, bool]:
+    """The first complete top-level statement of `text`, and whether it parses and does something.
+
+    The statement runs to the next non-blank line at column 0. If the text ends first (the
+    continuation was cut), lines are dropped from its end until the rest parses: a cut in the
+    middle of a line or of a block is not held against it, but what is left must do something."""
+    lines = text.split("\n")
+    end = next((i for i in range(1, len(lines)) if lines[i][:1].strip() and lines[i][0] != "#"), None)
+    candidates = [lines[:end]] if end is not None else [lines[:k] for k in range(len(lines), 0, -1)]
+    for cand in candidates:
+        src = "\n".join(cand).rstrip()
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        return src, bool(tree.body) and _does_something(tree.body[0])
+    return "\n".join(candidates[0] if candidates else lines).rstrip(), False
+
+
+def code_prompts(gguf_path: Path, n_tokens: int = 64) -> list[dict]:
+    llm = load_llama(gguf_path, n_ctx=128)
+    rows = []
+    for prompt in CODE_PROMPTS:
+        toks = llm.tokenize(prompt.encode())
+        cont = greedy_continuation(llm, toks, n_tokens)
+        text = prompt + llm.detokenize(cont).decode("utf-8", errors="replace")
+        stmt, ok = first_statement(text)
+        rows.append(dict(prompt=prompt, ok=ok, statement=stmt, text=text))
+    del llm
+    return rows
+
+
+def first_run_report(gguf_paths: dict[str, Path], held_out: list[str]) -> dict:
+    """Section 4 for each GGUF. The first entry is the reference: every model's perplexity is
+    also given per token of its tokenizer (the same text's NLL over the reference's token count)."""
+    out = {}
+    for name, path in gguf_paths.items():
+        print(f"[first run] {name}: {path}", flush=True)
+        rows = code_prompts(path)
+        out[name] = dict(gguf=Path(path).name, sha256=sha256_file(path), held_out=held_out_nll(path, held_out),
+                         code_prompts_ok=sum(r["ok"] for r in rows), code_prompts=rows)
+    ref_name, ref = next(iter(out.items()))
+    for r in out.values():
+        r["held_out"]["ppl_per_token_of"] = ref_name
+        r["held_out"]["ppl_per_ref_token"] = math.exp(r["held_out"]["nll"] / ref["held_out"]["tokens"])
+    for name, r in out.items():
+        for row in r["code_prompts"]:
+            print(f"--- {name}, {'does something' if row['ok'] else 'no'}: {row['prompt']!r}\n{row['statement']}")
+    print(f"held-out: {len(held_out)} files, {ref['held_out']['bytes']:,} bytes; perplexity per token of {ref_name!r}")
+    print(f"{'model':<10} {'tokens':>8} {'ppl':>8} {'bits/byte':>10} {'ppl per ' + ref_name + ' token':>24} "
+          f"{'code prompts':>13}")
+    for name, r in out.items():
+        h = r["held_out"]
+        print(f"{name:<10} {h['tokens']:>8,} {h['ppl']:>8.2f} {h['bits_per_byte']:>10.3f} "
+              f"{h['ppl_per_ref_token']:>24.2f} {r['code_prompts_ok']:>10}/{len(CODE_PROMPTS)}")
+    return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,11 +293,26 @@ def main() -> None:
     ap.add_argument("--cont-len", type=int, default=32)
     ap.add_argument("--drafts", nargs="*", default=None, help="draft GGUF names in --gguf (default: all)")
     ap.add_argument("--hot-keep", type=int, nargs="*", default=[8, 16], help="hot-expert drafts to make")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a target GGUF to report beside this run's in section 4 (e.g. the earlier shipped one)")
+    ap.add_argument("--only-first-run", action="store_true", help="section 4 alone (no checkpoints needed)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     gdir = args.gguf or args.run / "gguf"
     z = np.load(next(args.run.glob("tokens-*.npz")))
     val, train = z["val"], z["train"]
+    report_path = args.run / "report.json"
+    first_run = {"this run": gdir / "target-f16.gguf"}
+    if args.baseline:
+        first_run = {"baseline": args.baseline, **first_run}
+    corpus = json.loads((args.run / "corpus.json").read_text())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = [(stdlib / f["path"]).read_text("utf-8") for f in corpus["files"] if f["split"] == "val"]
+    if args.only_first_run:
+        report = json.loads(report_path.read_text()) if report_path.exists() else {}
+        report["first_run"] = first_run_report(first_run, held_out)
+        report_path.write_text(json.dumps(report, indent=1))
+        return
     target = load_torch(args.run / "target.pt")
     report: dict = {}
 
@@ -211,7 +352,8 @@ def main() -> None:
         del d
         report["drafts"][name] = res
         print(name, json.dumps(res), flush=True)
-    (args.run / "report.json").write_text(json.dumps(report, indent=1))
+    report["first_run"] = first_run_report(first_run, held_out)
+    report_path.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

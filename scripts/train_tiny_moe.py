@@ -12,7 +12,7 @@ of the hash range. The exact list (path, bytes, sha256, split) is written to
 Output in `<out>/`: tokenizer.json, target.pt, draft.pt, corpus.json, metrics.json.
 `scripts/export_tiny_models.py` turns the checkpoints into GGUF.
 
-    python scripts/train_tiny_moe.py                       # full run (~25-40 min on 2 cores)
+    python scripts/train_tiny_moe.py                       # full run (~75 min on an idle 2-core machine)
     python scripts/train_tiny_moe.py --max-steps 30 --draft-steps 10 --out runs/smoke
 """
 
@@ -40,10 +40,11 @@ from torch import nn
 class TrainConfig:
     out: str = "runs/tiny"
     seed: int = 1234
-    threads: int = 2  # on a loaded 2-core machine --threads 1 was 4-9x faster per step (OpenMP contention)
+    threads: int = 2  # idle 2-core machine: 0.70 s/step, 1 thread 1.21; on a loaded one 1 thread is faster (OpenMP spins)
     # corpus and tokenizer
     val_percent: float = 5.0
     vocab_size: int = 4096
+    pre_tokenizer: str = "starcoder"  # a key of PRE_TOKENIZERS: the GGUF's tokenizer.ggml.pre
     # target: qwen3moe
     n_layer: int = 6
     n_embd: int = 256
@@ -68,17 +69,26 @@ class TrainConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    max_steps: int = 1000
-    draft_steps: int = 150
-    eval_every: int = 250
+    max_steps: int = 5500
+    draft_steps: int = 500
+    eval_every: int = 500
     eval_windows: int = 64  # during training
     final_eval_windows: int = 256
 
 
 EOT = "<|endoftext|>"
-# Qwen2's pre-tokenizer split; llama.cpp applies the same regex for tokenizer.ggml.pre = "qwen2".
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Pre-tokenizer splits, applied in order, each as llama.cpp applies them for tokenizer.ggml.pre.
+# "starcoder" (a code model's): every digit alone, and punctuation never takes the newline after
+# it, so "):" is the same token at the end of a prompt ("def f(n):") as in the middle of a file,
+# and a newline with the next line's indentation is one piece. "qwen2" glues newlines to the
+# punctuation before them ("):\n"): 97% of "):" in the stdlib is that token, the lone "):" a
+# prompt ends in is always followed by more of the same line, and the first shipped model
+# (stop 34 and before) continued "def fibonacci(n):" on the same line with digits.
+PRE_TOKENIZERS = {
+    "starcoder": [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"],
+    "qwen2": [r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+}
 
 
 # --- corpus ------------------------------------------------------------------------------------
@@ -111,7 +121,7 @@ def train_tokenizer(cfg: TrainConfig, root: Path, files: list[dict]):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[cfg.pre_tokenizer]),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -136,17 +146,24 @@ def load_corpus(cfg: TrainConfig, out: Path):
     """Tokenizer and token arrays, cached in `out` for the same corpus fingerprint."""
     from tokenizers import Tokenizer
 
+    t0 = time.time()
     root, files = corpus_files(cfg)
     fp = fingerprint(files)
-    cache = out / f"tokens-{fp[:12]}-{cfg.vocab_size}.npz"
+    print(f"[corpus] {len(files)} files of the CPython {sys.version.split()[0]} standard library "
+          f"({time.time() - t0:.0f}s)", flush=True)
+    cache = out / f"tokens-{fp[:12]}-{cfg.vocab_size}-{cfg.pre_tokenizer}.npz"
     if cache.exists() and (out / "tokenizer.json").exists():
+        print(f"[corpus] tokenizer and tokens from {cache.name}", flush=True)
         tok = Tokenizer.from_file(str(out / "tokenizer.json"))
         z = np.load(cache)
         return tok, z["train"], z["val"], files, fp
+    print(f"[corpus] training a {cfg.vocab_size}-token BPE ({cfg.pre_tokenizer} split) on the train split", flush=True)
     tok = train_tokenizer(cfg, root, files)
     tok.save(str(out / "tokenizer.json"))
+    print(f"[corpus] tokenizing ({time.time() - t0:.0f}s)", flush=True)
     train, val = tokenize_split(tok, root, files, "train"), tokenize_split(tok, root, files, "val")
     np.savez(cache, train=train, val=val)
+    print(f"[corpus] {len(train):,} train and {len(val):,} held-out tokens ({time.time() - t0:.0f}s)", flush=True)
     (out / "corpus.json").write_text(json.dumps(dict(
         source=f"CPython {sys.version.split()[0]} standard library, every *.py except site-packages, "
                f"UTF-8 only; held out: sha256(relative path) in the lowest {cfg.val_percent}% of the range",
@@ -415,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         val = evaluate(model, final_windows)
         metrics[tag] = dict(arch=c["arch"], params=n_params, train_seconds=time.time() - t0, log=log,
                             val_loss=val, val_ppl=math.exp(val))
-        torch.save(dict(model=model.state_dict(), config=c, corpus_fingerprint=fp), out / f"{tag}.pt")
+        torch.save(dict(model=model.state_dict(), config=c, corpus_fingerprint=fp,
+                        tokenizer_pre=cfg.pre_tokenizer), out / f"{tag}.pt")
         print(f"[{tag}] final held-out loss {val:.4f} ppl {math.exp(val):.2f} "
               f"in {time.time() - t0:.0f}s", flush=True)
     metrics["wall_seconds"] = time.time() - t_start
