@@ -260,7 +260,7 @@ def code_prompts(gguf_path: Path, n_tokens: int = 64) -> list[dict]:
 
 def first_run_report(gguf_paths: dict[str, Path], held_out: list[str]) -> dict:
     """Section 4 for each GGUF. The first entry is the reference: every model's perplexity is
-    also given per token of its tokenizer (the same text's NLL over the reference's token count)."""
+    also given per token of the reference's tokenizer (the same text's NLL over its token count)."""
     out = {}
     for name, path in gguf_paths.items():
         print(f"[first run] {name}: {path}", flush=True)
