@@ -116,14 +116,21 @@ def fingerprint(files: list[dict]) -> str:
     return hashlib.sha256(json.dumps([(f["path"], f["sha256"], f["split"]) for f in files]).encode()).hexdigest()
 
 
-def train_tokenizer(cfg: TrainConfig, root: Path, files: list[dict]):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+def pre_tokenizer(name: str):
+    """The `tokenizers` pre-tokenizer that splits as llama.cpp does for tokenizer.ggml.pre = name."""
+    from tokenizers import Regex, pre_tokenizers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[cfg.pre_tokenizer]),
+    return pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[name]),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
+
+
+def train_tokenizer(cfg: TrainConfig, root: Path, files: list[dict]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer(cfg.pre_tokenizer)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=[EOT], min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
