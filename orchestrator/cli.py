@@ -179,6 +179,7 @@ def generate(
         info = {"model": str(cfg.model), "draft": str(cfg.draft) if cfg.draft else None, "gamma": cfg.gamma if cfg.draft else 0,
                 "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.device if cfg.engine is not False else None,
                 "budget_bytes": cfg.budget_bytes, "budget_ratio": cfg.budget_ratio,
+                "pool_devices": [vars(d) for d in cfg.pool_devices()] if cfg.engine is not False else [],
                 "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed}
         _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
         return

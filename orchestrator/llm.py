@@ -124,9 +124,10 @@ class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
-                 verbose: bool = False, check_tensors: bool = False, mmap: bool = True):
+                 verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = ()):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
-        stay in host RAM (the expert pool holds device copies). repack: the host weights' layout,
+        stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
+        them (llama.cpp's --device; default: every GPU it sees). repack: the host weights' layout,
         auto | on | off (`host_layout`; auto measures with n_threads, the contexts' threads).
         check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
         mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
@@ -141,7 +142,15 @@ class Model:
         init_backend(verbose)
         self.layout = host_layout.choose(self.path, n_threads, repack, offloaded=n_gpu_layers != 0)
         params = L.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        # llama.cpp's -ngl counts the output layer too: N + 1 puts the last N repeating layers and the
+        # output on the device (N alone would leave the first of them on the host)
+        params.n_gpu_layers = n_gpu_layers + 1 if n_gpu_layers > 0 else n_gpu_layers
+        if devices:  # llama.cpp's --device: only these take layers (in proportion to their free memory)
+            from orchestrator.native import ggml_device_api
+
+            g = ggml_device_api()
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*[g.ggml_backend_dev_by_name(d.encode()) for d in devices], None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         params.use_extra_bufts = self.layout.use_extra_bufts
         params.check_tensors = check_tensors
         if not mmap:

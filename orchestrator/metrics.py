@@ -55,6 +55,8 @@ class RunMetrics:
     n_evictions: int = 0
     n_prefetch_late: int = 0
     bytes_staged: int = 0         # streamed prefill: experts copied into staging slots
+    # per pool device: {"device", "n_slots", and this run's bytes_copied, n_copies, n_expert_tokens_device}
+    per_device: list[dict] | None = None
     tau_histogram: list[list[int]] | None = None
     hot_cold_accuracy: float | None = None
     hot_cold_accuracy_per_layer: list[float] | None = None
@@ -80,6 +82,8 @@ class RunMetrics:
         if self.device_share is not None:
             parts.append(f"device {self.device_share:.0%} of expert tokens")
             parts.append(f"{_bytes(self.bytes_copied)} copied")
+            if self.per_device and len(self.per_device) > 1:
+                parts[-1] += " (" + ", ".join(f"{d['device']} {_bytes(d['bytes_copied'])}" for d in self.per_device) + ")"
         if self.hot_cold_accuracy is not None:
             parts.append(f"hot/cold acc {self.hot_cold_accuracy:.2f}")
         if self.stop_reason:
@@ -203,6 +207,10 @@ class RunRecorder:
                 setattr(m, name, int(engine_stats[name] - self._stats0[name]))
             n_expert_tokens = m.n_expert_tokens_device + m.n_expert_tokens_cpu
             m.device_share = m.n_expert_tokens_device / n_expert_tokens if n_expert_tokens else 0.0
+            if "per_device" in engine_stats and "per_device" in self._stats0:
+                m.per_device = [{"device": now["device"], "n_slots": now["n_slots"],
+                                 **{k: int(now[k] - then[k]) for k in ("bytes_copied", "n_copies", "n_expert_tokens_device")}}
+                                for now, then in zip(engine_stats["per_device"], self._stats0["per_device"])]
         if self._tau_hist is not None:
             m.tau_histogram = self._tau_hist.tolist()
         if self._hot_steps:

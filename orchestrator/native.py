@@ -1,17 +1,18 @@
 """ctypes bindings to spac's native engine (include/spac.h in the patched llama.cpp).
 
 The functions live in the same libllama that llama-cpp-python loads, so they are bound to
-its handle. `ExpertEngine` owns one `spac_engine`; routing is read through numpy views of
-the context's host buffer (no copies).
+its handle. `ExpertEngine` owns one `spac_engine` (one device), `SeveralPools` one per device;
+routing is read through numpy views of the context's host buffer (no copies).
 
-Why ~410 lines: one ctypes binding per C function of spac.h, the two wrappers that own native
-memory (ExpertEngine, Routing). The RPC backend's server and client side are orchestrator.rpc.
+Why ~480 lines: one ctypes binding per C function of spac.h, the wrappers that own native
+memory (ExpertEngine, SeveralPools, Routing). The RPC backend's server and client side are orchestrator.rpc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
@@ -42,6 +43,8 @@ class SpacEngineParams(ctypes.Structure):
         ("skip_absent", c_bool),
         ("only_half", c_int32),
         ("stream_prefill", c_int32),
+        ("layer_begin", c_int32),
+        ("layer_end", c_int32),
     ]
 
 
@@ -119,6 +122,7 @@ def _bind():
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
         "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),
                                 c_int32, c_char_p, c_size_t),
+        "model_layer_device": fn("spac_model_layer_device", c_char_p, c_void_p, c_int32),
         "model_tensor_buft": fn("spac_model_tensor_buft", c_char_p, c_void_p, c_char_p),
         "model_tensor_twin_buft": fn("spac_model_tensor_twin_buft", c_char_p, c_void_p, c_char_p),
     }
@@ -200,6 +204,12 @@ def model_tensor_buft(model_ptr, name: str, twin: bool = False) -> str | None:
     return got.decode() if got else None
 
 
+def model_layer_devices(model_ptr, n_layer: int) -> list[str]:
+    """The ggml device llama.cpp placed each model layer on ("CPU": left on the host)."""
+    f = lib()["model_layer_device"]
+    return [(f(_ctx_ptr(model_ptr), il) or b"?").decode() for il in range(n_layer)]
+
+
 def graph_n_crossings(ctx) -> int:
     """Changes of backend from one compute node to the next in the context's last graph."""
     return int(lib()["graph_n_crossings"](_ctx_ptr(ctx)))
@@ -263,13 +273,18 @@ class ExpertEngine:
     stream_prefill: a ubatch of more than max_split_tokens computes its experts on the device,
     the non-resident ones streamed through two layers of staging slots (stats: n_staged, ...):
     "ahead" (True) or "used" (STREAM_PREFILL).
+    layers: the model layers [begin, end) whose experts this pool holds, (0, 0) every layer
+    (several devices: `SeveralPools`, one engine per device on the same context).
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
                  budget_ratio: float = DEFAULT_BUDGET_RATIO, max_split_tokens: int = 64, no_evict: bool = False,
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
-                 skip_absent: bool = False, only_half: str | None = None, stream_prefill: bool | str = False):
+                 skip_absent: bool = False, only_half: str | None = None, stream_prefill: bool | str = False,
+                 layers: tuple[int, int] = (0, 0)):
         self._ctx = _ctx_ptr(ctx)
+        self.device = device or "CPU"
+        self.layers = layers
         p = lib()["default_params"]()
         p.model_path = str(model_path).encode()
         p.device = device.encode() if device else None
@@ -279,6 +294,7 @@ class ExpertEngine:
         p.no_evict = bool(no_evict)
         p.copy_delay_us = int(copy_delay_us)
         p.skip_absent = bool(skip_absent)
+        p.layer_begin, p.layer_end = int(layers[0]), int(layers[1])
         stream = ("ahead" if stream_prefill else "off") if isinstance(stream_prefill, bool) else stream_prefill
         if stream not in STREAM_PREFILL:
             raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)} (or a bool), got {stream_prefill!r}")
@@ -346,6 +362,7 @@ class ExpertEngine:
         lib()["get_stats"](self._live(), ctypes.byref(s))
         out = {name: getattr(s, name) for name, _ in SpacEngineStats._fields_}
         out["resident_per_layer"] = (self.residency() >= 0).sum(axis=1).tolist()
+        out["per_device"] = [{"device": self.device, **{k: out[k] for k in _PER_DEVICE}}]
         return out
 
     def reset_stats(self) -> None:
@@ -379,6 +396,81 @@ class ExpertEngine:
             self._eng = None
 
     def __enter__(self) -> ExpertEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# the stats `SeveralPools.stats()` keeps per device (the totals are summed over the devices)
+_PER_DEVICE = ("bytes_copied", "n_copies", "n_slots", "n_resident", "n_expert_tokens_device", "copy_busy_us",
+               "bytes_staged")
+
+
+@dataclass(frozen=True)
+class PoolDevice:
+    """One device of a pool over several: its ggml name and budget (bytes, else a share of the
+    experts of the layers it holds)."""
+
+    name: str
+    budget_bytes: int = 0
+    budget_ratio: float = 0.0
+
+
+class SeveralPools:
+    """The expert pool over several devices: one ExpertEngine per device on the same context,
+    each holding the experts of the layers llama.cpp placed on that device (`layers`, from
+    `placement.pool_layer_ranges`). Same interface as one engine: a plan goes to every engine
+    (each takes its own layers' part), stats are summed, with `per_device` rows besides."""
+
+    def __init__(self, ctx, model_path: str, devices: list[PoolDevice], layers: list[tuple[int, int]], **engine_args):
+        self.engines: list[ExpertEngine] = []
+        try:
+            for dev, span in zip(devices, layers, strict=True):
+                self.engines.append(ExpertEngine(ctx, model_path, device=dev.name, budget_bytes=dev.budget_bytes,
+                                                 budget_ratio=dev.budget_ratio, layers=span, **engine_args))
+        except BaseException:
+            self.close()
+            raise
+        first = self.engines[0]
+        self.n_moe_layers, self.n_expert, self.n_expert_used = first.n_moe_layers, first.n_expert, first.n_expert_used
+        self.device = ",".join(e.device for e in self.engines)
+
+    def set_plan(self, plan: Plan) -> None:
+        for e in self.engines:
+            e.set_plan(plan)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        return all([e.wait_idle(timeout_s) for e in self.engines])
+
+    def stats(self) -> dict:
+        rows = [e.stats() for e in self.engines]
+        out = {k: sum(r[k] for r in rows) for k, _ in SpacEngineStats._fields_}
+        out["resident_per_layer"] = (self.residency() >= 0).sum(axis=1).tolist()
+        out["per_device"] = [r["per_device"][0] for r in rows]
+        return out
+
+    def reset_stats(self) -> None:
+        for e in self.engines:
+            e.reset_stats()
+
+    def residency(self) -> np.ndarray:
+        """int32 [n_moe_layers, n_expert]: slot of each resident expert in its device's pool, -1 elsewhere."""
+        return np.max([e.residency() for e in self.engines], axis=0)
+
+    def attach_draft(self, ctx) -> None:
+        for e in self.engines:
+            e.attach_draft(ctx)
+
+    def detach_draft(self, ctx) -> None:
+        for e in self.engines:
+            e.detach_draft(ctx)
+
+    def close(self) -> None:
+        for e in reversed(self.engines):
+            e.close()
+
+    def __enter__(self) -> SeveralPools:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -185,12 +185,14 @@ OPTIONS: dict[str, _Opt] = {
         help="most draft tokens per verification step; greedy: γ adapts below it every step (MoE-SpeQ's governor), "
         "sampling: γ is this bound (the same seed gives the same text); 0 = no draft")),
     "expert_budget": _Opt("model", Optional[str], None, typer.Option(
-        "--expert-budget", help="device pool: bytes (512M, 2GiB) or % of all experts \\[default: the free device "
+        "--expert-budget", help="device pool: bytes (512M, 2GiB) or % of all experts; several devices: one value "
+        "each (25%,50%), a % being of that device's layers' experts, or one for all \\[default: the free device "
         "memory left after the non-expert weights, the KV cache and a margin; 25% on --device CPU]",
         show_default=False)),
     "device": _Opt("model", Optional[str], None, typer.Option(
-        "--device", help="pool device: a ggml device name (CUDA0, ...) or CPU (the test stand-in) "
-        "\\[default: the first GPU; none: the pool is off]", show_default=False)),
+        "--device", help="pool device: a ggml device name (CUDA0, ...) or CPU (the test stand-in); a list "
+        "(CUDA0,CUDA1 or RPC0,RPC1) splits the layers over the devices as llama.cpp does, each holding the pool "
+        "of its own layers' experts \\[default: the first GPU; none: the pool is off]", show_default=False)),
     "rpc": _Opt("model", Optional[str], None, typer.Option(
         "--rpc", help="RPC servers HOST:PORT,... (spac rpc-server, llama.cpp's rpc-server): their devices join "
         "the list (RPC0, ...), for --device", show_default=False)),
@@ -245,6 +247,8 @@ class RunOptions:
     draft_max: int = 8
     expert_budget: Budget = Budget()
     device: str | None = None
+    extra_devices: tuple[str, ...] = ()     # --device A,B,...: the devices after the first
+    extra_budgets: tuple[Budget, ...] = ()  # --expert-budget X,Y,...: the budgets after the first
     rpc: tuple[str, ...] = ()    # RPC servers' HOST:PORT
     n_gpu_layers: str = "auto"  # "auto", "all" or a number
     threads: int = _DEFAULT_THREADS
@@ -298,9 +302,16 @@ class RunOptions:
         if ngl not in ("auto", "all") and not (ngl.isdigit()):
             fail(f"-ngl/--n-gpu-layers must be a number >= 0, 'all' or 'auto', got {v['n_gpu_layers']!r}")
         try:
-            budget = Budget.parse(v["expert_budget"])
+            budgets = [Budget.parse(b) for b in (v["expert_budget"] or "").split(",")] if v["expert_budget"] else [Budget()]
         except ValueError as e:
             fail(str(e))
+        devices = [d.strip() for d in (v["device"] or "").split(",")] if v["device"] is not None else [None]
+        if "" in devices or len(set(devices)) < len(devices):
+            fail(f"--device {v['device']!r}: give distinct device names, comma-separated")
+        if len(devices) > 1 and any(d.upper() == "CPU" for d in devices):
+            fail("--device: CPU (the test stand-in) cannot be one of several devices")
+        if len(budgets) > 1 and len(budgets) != len(devices):
+            fail(f"--expert-budget: {len(budgets)} values for {len(devices)} device(s) (give one, or one per --device)")
         from orchestrator.rpc import parse_endpoint
 
         rpc = tuple(e.strip() for e in (v["rpc"] or "").split(",") if e.strip())
@@ -316,8 +327,8 @@ class RunOptions:
         for path, flag in ((v["model"], "-m/--model"), (v["model_draft"], "-md/--model-draft")):
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
-        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budget,
-                   device=v["device"], rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
+        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budgets[0],
+                   device=devices[0], extra_devices=tuple(devices[1:]), extra_budgets=tuple(budgets[1:]), rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
                    stream_prefill=v["stream_prefill"],
                    check_tensors=v["check_tensors"], mmap=v["mmap"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
@@ -438,7 +449,7 @@ class Setup:
 def session_setup(opts: RunOptions) -> Setup:
     """SessionConfig and placement from the options; a bad file, device or budget is `fail`."""
     from orchestrator.llm import ModelError, check_gguf
-    from orchestrator.placement import PlacementError, first_gpu, model_sizes, place
+    from orchestrator.placement import GPU, PlacementError, first_gpu, model_sizes, place, place_several
     from orchestrator.native import engine_built
     from orchestrator.speculative import POOL_DRAFT, SessionConfig
 
@@ -471,12 +482,21 @@ def session_setup(opts: RunOptions) -> Setup:
     if opts.device is not None and opts.device.upper() != "CPU":
         from orchestrator.placement import devices
 
-        names = [d[0] for d in devices()]
-        if opts.device not in names:
-            fail(f"--device {opts.device}: no such device; ggml sees {', '.join(names)} (CPU = the test stand-in)")
+        seen = {d[0]: GPU(d[0], d[2], d[3]) for d in devices()}
+        for name in (opts.device, *opts.extra_devices):
+            if name not in seen:
+                fail(f"--device {name}: no such device; ggml sees {', '.join(seen)} (CPU = the test stand-in)")
     try:
-        p = place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
-                  engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off")
+        if opts.extra_devices:
+            if not sizes.expert_bytes or engine is False:
+                fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
+                     "give one device")
+            p = place_several(sizes, n_ctx, [seen[n] for n in (opts.device, *opts.extra_devices)],
+                              [opts.expert_budget, *opts.extra_budgets], opts.n_gpu_layers,
+                              stream=opts.stream_prefill != "off")
+        else:
+            p = place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
+                      engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off")
     except PlacementError as e:
         fail(str(e))
     if not p.stream_prefill and opts.stream_prefill in ("ahead", "used"):  # asked for: an error, not a note
@@ -504,7 +524,8 @@ def session_setup(opts: RunOptions) -> Setup:
                         repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
                         stream_prefill="off" if not p.stream_prefill else None if opts.stream_prefill == "auto"
                         else opts.stream_prefill,
-                        budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, ablations=opts.ablation_switches(),
+                        budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, extra_devices=p.extra_devices,
+                        ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
                         mmap=opts.mmap)
     return Setup(cfg, notes, off)

@@ -10,7 +10,9 @@ on any GPU this tool targets), and the pool takes the free device memory left af
 KV cache, a safety margin and a streamed prefill's staging slots (no pool if that leaves less
 than one expert per layer; no staging slots, and llama.cpp's prefill, if the pool needs them). Without
 a GPU the pool is off: the CPU pool (`--device CPU`) is a test device, slower than no pool.
-`--expert-budget`, `-ngl` and `--device` override.
+`--expert-budget`, `-ngl` and `--device` override. Several devices (`--device A,B`,
+`place_several`): llama.cpp's layer split gives each a range of layers, and each device's pool
+holds its own layers' experts, sized by the same rule per device.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.native import DEFAULT_BUDGET_RATIO
+from orchestrator.native import DEFAULT_BUDGET_RATIO, PoolDevice
 from orchestrator.options import Budget
 
 MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
@@ -57,6 +59,7 @@ class Placement:
     pool_ratio: float      # > 0: a share of all experts (when pool_bytes is 0)
     note: str              # one line: where things went and why (or why the pool is off)
     stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
+    extra_devices: tuple[PoolDevice, ...] = ()  # several devices (place_several): the others, in order
 
     @property
     def stream_prefill(self) -> bool:
@@ -140,6 +143,102 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
     pool = min(room, sizes.expert_bytes)
     return with_staging(pool, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(pool)} "
                               f"({pool / sizes.expert_bytes:.0%} of the experts)")
+
+
+# ----------------------------------------------------------------------------- several devices
+
+def layer_split(n_layers: int, free: list[int]) -> list[int]:
+    """How many of the last n_layers layers llama.cpp's layer split puts on each device when its
+    --tensor-split is left to the devices' free memory (Model passes -ngl n_layers + 1: the output
+    layer counts as one more): offloaded layer i goes to the first device whose cumulative share
+    exceeds i / (n_layers + 1)."""
+    total = sum(free)
+    shares = [f / total if total > 0 else 1 / len(free) for f in free]
+    bounds = [sum(shares[: i + 1]) for i in range(len(free))]
+    counts = [0] * len(free)
+    for i in range(n_layers):
+        counts[next((d for d, b in enumerate(bounds) if i / (n_layers + 1) < b), len(free) - 1)] += 1
+    return counts
+
+
+def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[Budget], ngl: str = "auto",
+                  margin: int = MARGIN, stream: bool = True) -> Placement:
+    """The placement over several devices (--device A,B): llama.cpp's layer split puts the
+    non-expert weights and KV cache of a contiguous range of layers on each device, in proportion
+    to its free memory; each device's pool holds the experts of its own layers and takes the
+    free memory left after them (the place() rule per device), or its --expert-budget (one entry
+    per device, or one for all; a percentage is of its own layers' experts). The layers left on
+    the host (-ngl below the layer count) go to the first device's pool. The first device is the
+    Placement's device, the others its extra_devices; the note has one part per device."""
+    n_layer = max(sizes.n_layer, 1)
+    if len(budgets) not in (1, len(gpus)):
+        raise PlacementError(f"--expert-budget: {len(budgets)} values for {len(gpus)} devices (give one, or one per device)")
+    budgets = budgets * len(gpus) if len(budgets) == 1 else budgets
+    per_layer = (sizes.non_expert_bytes + sizes.kv_bytes_per_token * n_ctx) / n_layer
+    want = _layers(ngl, n_layer)
+    if want is None:
+        room = sum(max(g.free - margin, 0) for g in gpus)
+        want = max(0, min(n_layer, int(room // per_layer))) if per_layer > 0 else n_layer
+    counts = layer_split(want, [g.free for g in gpus])
+    counts[0] += n_layer - want  # the host's layers: their experts in the first device's pool
+    staging = sizes.staging_bytes if stream else 0
+    out, stream_off = [], ""
+    for gpu, budget, n in zip(gpus, budgets, counts):
+        if n == 0:
+            raise PlacementError(f"--device {gpu.name}: llama.cpp's layer split gives it no layer of {n_layer} "
+                                 f"({want} on the devices); drop it or raise -ngl")
+        on_dev = n - (n_layer - want if gpu is gpus[0] else 0)
+        left = int(gpu.free - per_layer * on_dev - margin)
+        experts = sizes.expert_bytes * n // n_layer  # the experts of its layers
+        if not budget.auto:
+            pool = budget.nbytes or int(budget.ratio * experts)
+            if pool > left:
+                raise PlacementError(f"--expert-budget {_mib(pool)} does not fit {gpu.name}: {_mib(max(left, 0))} free "
+                                     f"after {on_dev} layers' weights and KV cache and a {_mib(margin)} margin")
+            nbytes, ratio = (min(budget.nbytes, experts), 0.0) if budget.nbytes else (0, budget.ratio)
+        else:
+            if left < max(sizes.one_expert * n, 1):
+                raise PlacementError(f"--device {gpu.name}: no room for an expert pool ({_mib(gpu.free)} free, "
+                                     f"{_mib(per_layer * on_dev)} for its {on_dev} layers' weights and KV cache)")
+            room = left - staging if left - staging >= sizes.one_expert * n else left
+            nbytes, ratio = min(room, experts), 0.0
+        pool = nbytes or int(ratio * experts)
+        if staging and pool + staging > left and not stream_off:
+            stream_off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {gpu.name}"
+        share = f"{pool / experts:.0%} of its experts" if experts else "no experts"
+        first = sum(counts[:len(out)])
+        out.append((PoolDevice(gpu.name, nbytes, ratio),
+                    f"{gpu.name}: layers {first}..{first + n - 1}, expert pool {_mib(pool)} ({share})"))
+    note = f"{want}/{n_layer} layers on {len(gpus)} devices; " + "; ".join(n for _, n in out)
+    if stream_off:
+        note += f"; streamed prefill off: {stream_off}"
+    first = out[0][0]
+    return Placement(first.name, want, first.budget_bytes, first.budget_ratio, note, stream_off,
+                     extra_devices=tuple(d for d, _ in out[1:]))
+
+
+def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str]) -> list[tuple[int, int]]:
+    """The model layers [begin, end) whose experts each pool device holds, from where llama.cpp
+    placed each layer (`native.model_layer_devices`): the layers on that device, the first range
+    also taking the host's layers before it (one device: (0, 0), every layer). PlacementError
+    when a device holds no layer, or not one contiguous range."""
+    if len(pool_devices) == 1:
+        return [(0, 0)]
+    spans = []
+    for name in pool_devices:
+        on = [il for il, d in enumerate(layer_devices) if d == name]
+        if not on:
+            raise PlacementError(f"--device {name}: llama.cpp placed no layer on it (layers are on "
+                                 f"{', '.join(sorted(set(layer_devices)))}); lower -c or drop the device")
+        if on[-1] - on[0] + 1 != len(on):
+            raise PlacementError(f"--device {name}: its layers {on[0]}..{on[-1]} are not one contiguous range")
+        spans.append([on[0], on[-1] + 1])
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    spans[order[0]][0] = 0  # the host's layers come first in llama.cpp's split
+    for a, b in zip(order, order[1:]):
+        spans[a][1] = spans[b][0]
+    spans[order[-1]][1] = len(layer_devices)
+    return [tuple(s) for s in spans]
 
 
 # ----------------------------------------------------------------------------- inputs of the rule

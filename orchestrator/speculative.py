@@ -40,7 +40,7 @@ import numpy as np
 from orchestrator.governor import Governor, GovernorConfig
 from orchestrator.llm import DEFAULT_REPACK, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
-from orchestrator.native import DEFAULT_BUDGET_RATIO, copies_block_compute
+from orchestrator.native import DEFAULT_BUDGET_RATIO, PoolDevice, copies_block_compute
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
@@ -88,11 +88,19 @@ class SessionConfig:
                                                # off; None: ahead on a GPU or RPC pool, off on the CPU test device
     budget_bytes: int = 0
     budget_ratio: float = DEFAULT_BUDGET_RATIO
+    # more pool devices after `device` (llama.cpp's layer split puts a range of layers on each, and
+    # each pool holds its own layers' experts); their budget_ratio is a share of those experts
+    extra_devices: tuple[PoolDevice, ...] = ()
     ablations: Ablations = field(default_factory=Ablations)
     recalibrate: bool = False
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
     verbose: bool = False
     check_tensors: bool = False  # llama.cpp's --check-tensors: validate the weights' data on load
+
+
+    def pool_devices(self) -> list[PoolDevice]:
+        """Every pool device, `device` first, with its budget."""
+        return [PoolDevice(self.device or "CPU", self.budget_bytes, self.budget_ratio), *self.extra_devices]
 
 
 @dataclass
@@ -145,7 +153,9 @@ class Session:
 
     def _open(self, cfg: SessionConfig) -> None:
         ab = cfg.ablations
-        self.target = self._model(cfg.model, cfg.n_gpu_layers)
+        pool_devices = cfg.pool_devices()
+        self.target = self._model(cfg.model, cfg.n_gpu_layers,
+                                  devices=tuple(d.name for d in pool_devices) if cfg.device not in (None, "CPU") else ())
         pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
         if pool_draft:
             self.draft = self.target if self.target.n_expert and cfg.engine is not False else None
@@ -174,9 +184,9 @@ class Session:
             self.draft = self.draft_ctx = None
             self.mode, self.gamma = "autoregressive", 0
 
-    def _model(self, path, n_gpu_layers: int) -> Model:
+    def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = ()) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
-                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap)
+                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap, devices=devices)
         self._models.append(m)
         return m
 
@@ -186,7 +196,8 @@ class Session:
         return c
 
     def _open_engine(self, cfg: SessionConfig) -> None:
-        from orchestrator.native import ExpertEngine, NativeError, Routing
+        from orchestrator.native import ExpertEngine, NativeError, Routing, SeveralPools, model_layer_devices
+        from orchestrator.placement import PlacementError, pool_layer_ranges
 
         if self.policy is None:
             self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
@@ -194,11 +205,16 @@ class Session:
             # streaming a prompt to the CPU test device would only add copies to the host's work
             stream = cfg.stream_prefill if cfg.stream_prefill is not None else (
                 "ahead" if cfg.device not in (None, "CPU") else "off")
-            self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=cfg.device,
-                                       budget_bytes=cfg.budget_bytes, budget_ratio=cfg.budget_ratio,
-                                       no_evict=cfg.ablations.no_evict or not self.policy.evicts,
-                                       stream_prefill=stream)
-        except NativeError as e:
+            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=stream)
+            if cfg.extra_devices:  # one pool per device, on the layers llama.cpp placed there
+                devices = cfg.pool_devices()
+                layers = pool_layer_ranges(model_layer_devices(self.target.ptr, self.target.n_layer),
+                                           [d.name for d in devices])
+                self.engine = SeveralPools(self.ctx.ptr, self.target.path, devices, layers, **engine_args)
+            else:
+                self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=cfg.device, budget_bytes=cfg.budget_bytes,
+                                           budget_ratio=cfg.budget_ratio, **engine_args)
+        except (NativeError, PlacementError) as e:
             if cfg.engine:
                 raise
             self.engine_note = f"expert engine off: {e}"
@@ -225,8 +241,9 @@ class Session:
         cfg = self.cfg
         rig = calibrate.Rig(engine=self.engine, routing=self.routing, ctx=self.ctx, draft_ctx=self.draft_ctx,
                             model_path=self.target.path, draft_path=self.draft.path if self.draft else None,
-                            device=cfg.device or "CPU", n_threads=cfg.n_threads,
-                            budget=str(cfg.budget_bytes or cfg.budget_ratio), gamma=self.gamma, k_max=cfg.k_max)
+                            device=",".join(d.name for d in cfg.pool_devices()), n_threads=cfg.n_threads,
+                            budget=",".join(str(d.budget_bytes or d.budget_ratio) for d in cfg.pool_devices()),
+                            gamma=self.gamma, k_max=cfg.k_max)
         self.calibration = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
         self._plan_sent = self._plan_in_force = None
         # initial placement, with the calibration as the first measurement
