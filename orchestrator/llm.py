@@ -124,10 +124,12 @@ class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
-                 verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = ()):
+                 verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = (),
+                 tensor_split: tuple[float, ...] = ()):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
-        them (llama.cpp's --device; default: every GPU it sees). repack: the host weights' layout,
+        them (llama.cpp's --device; default: every GPU it sees), tensor_split their shares of the
+        layers (llama.cpp's --tensor-split; default: in proportion to their free memory). repack: the host weights' layout,
         auto | on | off (`host_layout`; auto measures with n_threads, the contexts' threads).
         check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
         mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
@@ -151,6 +153,9 @@ class Model:
             g = ggml_device_api()
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*[g.ggml_backend_dev_by_name(d.encode()) for d in devices], None)
             params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split:  # llama.cpp's --tensor-split: the devices' shares of the offloaded layers
+            self._split = (ctypes.c_float * L.llama_max_devices())(*tensor_split)
+            params.tensor_split = self._split
         params.use_extra_bufts = self.layout.use_extra_bufts
         params.check_tensors = check_tensors
         if not mmap:

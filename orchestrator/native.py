@@ -210,6 +210,11 @@ def model_layer_devices(model_ptr, n_layer: int) -> list[str]:
     return [(f(_ctx_ptr(model_ptr), il) or b"?").decode() for il in range(n_layer)]
 
 
+def model_moe_layers(model_ptr, n_layer: int) -> list[int]:
+    """The model layers that have routed experts (a router), in order: the engines' MoE layers."""
+    return [il for il in range(n_layer) if model_tensor_buft(model_ptr, f"blk.{il}.ffn_gate_inp.weight")]
+
+
 def graph_n_crossings(ctx) -> int:
     """Changes of backend from one compute node to the next in the context's last graph."""
     return int(lib()["graph_n_crossings"](_ctx_ptr(ctx)))
@@ -423,12 +428,15 @@ class SeveralPools:
     `placement.pool_layer_ranges`). Same interface as one engine: a plan goes to every engine
     (each takes its own layers' part), stats are summed, with `per_device` rows besides."""
 
-    def __init__(self, ctx, model_path: str, devices: list[PoolDevice], layers: list[tuple[int, int]], **engine_args):
+    def __init__(self, ctx, model_path: str, devices: list[PoolDevice], layers: list[tuple[int, int] | None],
+                 **engine_args):
+        """layers[i] None: device i holds no MoE layer (leading dense layers), so no pool there."""
         self.engines: list[ExpertEngine] = []
         try:
             for dev, span in zip(devices, layers, strict=True):
-                self.engines.append(ExpertEngine(ctx, model_path, device=dev.name, budget_bytes=dev.budget_bytes,
-                                                 budget_ratio=dev.budget_ratio, layers=span, **engine_args))
+                if span is not None:
+                    self.engines.append(ExpertEngine(ctx, model_path, device=dev.name, budget_bytes=dev.budget_bytes,
+                                                     budget_ratio=dev.budget_ratio, layers=span, **engine_args))
         except BaseException:
             self.close()
             raise

@@ -217,11 +217,13 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
                      extra_devices=tuple(d for d, _ in out[1:]))
 
 
-def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str]) -> list[tuple[int, int]]:
+def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str],
+                      moe_layers: list[int] | None = None) -> list[tuple[int, int] | None]:
     """The model layers [begin, end) whose experts each pool device holds, from where llama.cpp
     placed each layer (`native.model_layer_devices`): the layers on that device, the first range
-    also taking the host's layers before it (one device: (0, 0), every layer). PlacementError
-    when a device holds no layer, or not one contiguous range."""
+    also taking the host's layers before it (one device: (0, 0), every layer). None for a device
+    whose layers have no routed experts (moe_layers: the layers that have; leading dense layers).
+    PlacementError when a device holds no layer, or not one contiguous range."""
     if len(pool_devices) == 1:
         return [(0, 0)]
     spans = []
@@ -238,7 +240,8 @@ def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str]) -> list
     for a, b in zip(order, order[1:]):
         spans[a][1] = spans[b][0]
     spans[order[-1]][1] = len(layer_devices)
-    return [tuple(s) for s in spans]
+    moe = range(len(layer_devices)) if moe_layers is None else moe_layers
+    return [tuple(s) if any(s[0] <= il < s[1] for il in moe) else None for s in spans]
 
 
 # ----------------------------------------------------------------------------- inputs of the rule

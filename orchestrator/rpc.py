@@ -4,6 +4,7 @@ the devices other machines serve.
     serve("127.0.0.1:50052", n_threads=4)      # blocks; `spac rpc-server`, llama.cpp's rpc-server
     register_servers(["host:50052"])           # `--rpc`: their devices join ggml's list (RPC0, ...)
     with rpc_device() as name: ...             # tests and benches: a server on 127.0.0.1, registered
+    with rpc_devices(2) as names: ...          # two of them: two devices (a pool over several)
 
 The protocol has no authentication or encryption: a server must never face an untrusted network.
 """
@@ -126,22 +127,30 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def rpc_device(n_threads: int = 1):
-    """Start an RPC server process on 127.0.0.1 serving its CPU (n_threads threads), register it
-    in this process and yield the RPC device's name; the server stops on exit.
+def rpc_devices(n: int = 1, n_threads: int = 1):
+    """Start n RPC server processes on 127.0.0.1, each serving its CPU (n_threads threads),
+    register them in this process and yield their device names, in order; the servers stop on
+    exit.
 
     A registered RPC device cannot be unregistered: once its server is gone, every later model
-    load in this process would try to reach it, so use one process per server."""
-    endpoint = f"127.0.0.1:{_free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.rpc", endpoint, str(n_threads), "CPU"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        if proc.stdout.readline().strip() != "ready":
-            raise NativeError("the RPC server process did not start (is this llama.cpp built with GGML_RPC?)")
-        yield register_servers([endpoint], timeout_s=10.0)[0]
-    finally:
-        proc.kill()
-        proc.wait()
+    load in this process would try to reach it, so use one process per set of servers."""
+    with contextlib.ExitStack() as servers:
+        endpoints = []
+        for _ in range(n):
+            endpoints.append(f"127.0.0.1:{_free_port()}")
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.rpc", endpoints[-1], str(n_threads), "CPU"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            servers.callback(lambda p=proc: (p.kill(), p.wait()))
+            if proc.stdout.readline().strip() != "ready":
+                raise NativeError("the RPC server process did not start (is this llama.cpp built with GGML_RPC?)")
+        yield register_servers(endpoints, timeout_s=10.0)
+
+
+@contextlib.contextmanager
+def rpc_device(n_threads: int = 1):
+    """One server of `rpc_devices`: its device name."""
+    with rpc_devices(1, n_threads) as names:
+        yield names[0]
 
 
 if __name__ == "__main__":  # rpc_device's server process: endpoint, threads, device

@@ -196,7 +196,7 @@ class Session:
         return c
 
     def _open_engine(self, cfg: SessionConfig) -> None:
-        from orchestrator.native import ExpertEngine, NativeError, Routing, SeveralPools, model_layer_devices
+        from orchestrator.native import ExpertEngine, NativeError, Routing, SeveralPools, model_layer_devices, model_moe_layers
         from orchestrator.placement import PlacementError, pool_layer_ranges
 
         if self.policy is None:
@@ -208,8 +208,9 @@ class Session:
             engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=stream)
             if cfg.extra_devices:  # one pool per device, on the layers llama.cpp placed there
                 devices = cfg.pool_devices()
-                layers = pool_layer_ranges(model_layer_devices(self.target.ptr, self.target.n_layer),
-                                           [d.name for d in devices])
+                n = self.target.n_layer
+                layers = pool_layer_ranges(model_layer_devices(self.target.ptr, n), [d.name for d in devices],
+                                           model_moe_layers(self.target.ptr, n))
                 self.engine = SeveralPools(self.ctx.ptr, self.target.path, devices, layers, **engine_args)
             else:
                 self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=cfg.device, budget_bytes=cfg.budget_bytes,

@@ -57,13 +57,15 @@ def run_in_own_process(test_file: str, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
-def rpc_main(check) -> None:
+def rpc_main(check, n_devices: int = 1) -> None:
     """A test file's __main__: check(device, Path(argv[1])) with an RPC server on 127.0.0.1, or
-    on the device SPAC_TEST_DEVICE names (CUDA0 on a GPU machine: the same checks on a real GPU)."""
+    on the device SPAC_TEST_DEVICE names (CUDA0 on a GPU machine: the same checks on a real GPU).
+    n_devices > 1: check(list of device names, ...), as many servers (SPAC_TEST_DEVICE: a
+    comma-separated list)."""
     import os
 
-    from orchestrator.rpc import rpc_device
+    from orchestrator.rpc import rpc_devices
 
     named = os.environ.get("SPAC_TEST_DEVICE")
-    with rpc_device() if not named else contextlib.nullcontext(named) as device:
-        check(device, Path(sys.argv[1]))
+    with rpc_devices(n_devices) if not named else contextlib.nullcontext(named.split(",")) as devices:
+        check(devices[0] if n_devices == 1 else devices, Path(sys.argv[1]))
