@@ -9,7 +9,8 @@ import pytest
 import typer
 
 from orchestrator.options import OPTIONS, Budget, RunOptions, run_options
-from orchestrator.placement import GPU, MARGIN, ModelSizes, PlacementError, model_sizes, place
+from orchestrator.placement import (GPU, MARGIN, ModelSizes, PlacementError, layer_split, model_sizes, place,
+                                     place_several, pool_layer_ranges)
 
 GiB = 1 << 30
 # a Qwen3-30B-A3B-like Q4_K model: 48 layers, 16.5 GiB of experts, 1.5 GiB of the rest
@@ -215,3 +216,93 @@ def test_a_session_on_a_gpu_without_room_for_staging_streams_nothing_and_says_wh
     with pytest.raises(typer.Exit) as e:
         session_setup(RunOptions(model=target, ctx_size=512, stream_prefill="ahead"))
     assert e.value.exit_code == 2
+
+
+# ----------------------------------------------------------------------------- several devices
+
+def test_layer_split_is_llama_cpps():
+    """Offloaded layer i goes to the first device whose cumulative share of free memory exceeds
+    i / (n + 1), the output layer being the n+1st: what llama.cpp did with two equal RPC servers
+    (6 layers: 0..3 and 4..5; 4 layers: 0..2 and 3), and uneven devices take layers in proportion."""
+    assert layer_split(6, [1, 1]) == [4, 2]
+    assert layer_split(4, [1, 1]) == [3, 1]
+    assert layer_split(48, [24 * GiB, 24 * GiB]) == [25, 23]
+    assert layer_split(48, [24 * GiB, 12 * GiB]) == [33, 15]
+    assert layer_split(48, [1, 0]) == [48, 0]
+
+
+def test_two_devices_each_pool_the_experts_of_their_own_layers():
+    a, b = GPU("CUDA0", 24 * GiB, 24 * GiB), GPU("CUDA1", 24 * GiB, 24 * GiB)
+    p = place_several(QWEN, 4096, [a, b], [Budget()])
+    per_layer = (QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096) / 48
+    assert p.device == "CUDA0" and [d.name for d in p.extra_devices] == ["CUDA1"] and p.n_gpu_layers == 48
+    # each device: its layers' share of the experts, all of which fit in 24 GiB
+    assert p.pool_bytes == QWEN.expert_bytes * 25 // 48 and p.extra_devices[0].budget_bytes == QWEN.expert_bytes * 23 // 48
+    assert "CUDA0: layers 0..24" in p.note and "CUDA1: layers 25..47" in p.note and "100% of its experts" in p.note
+    # two 8 GiB cards: each pool is what its card has left after its layers, the staging slots and the margin
+    a, b = GPU("CUDA0", 8 * GiB, 8 * GiB), GPU("CUDA1", 8 * GiB, 8 * GiB)
+    p = place_several(QWEN, 4096, [a, b], [Budget()])
+    assert p.pool_bytes == int(8 * GiB - per_layer * 25 - MARGIN) - QWEN.staging_bytes
+    assert p.stream_prefill
+
+
+def test_uneven_devices():
+    """A 24 GiB card beside an 8 GiB one: the bigger takes three quarters of the layers and a pool
+    to match; a byte budget per device; a percentage is of the device's own layers' experts."""
+    big, small = GPU("CUDA0", 24 * GiB, 24 * GiB), GPU("CUDA1", 8 * GiB, 8 * GiB)
+    p = place_several(QWEN, 4096, [big, small], [Budget()])
+    n_big = layer_split(48, [24 * GiB, 8 * GiB])[0]
+    assert n_big == 37 and f"CUDA0: layers 0..{n_big - 1}" in p.note and f"CUDA1: layers {n_big}..47" in p.note
+    assert p.pool_bytes == QWEN.expert_bytes * n_big // 48  # every expert of its layers fits
+    assert p.extra_devices[0].budget_bytes == QWEN.expert_bytes * (48 - n_big) // 48
+    # a Qwen3-235B-A22B-like Q4_K model on a 24 and a 12 GiB card: neither holds its layers' experts,
+    # each pool takes what its card has left
+    big_model = ModelSizes(n_layer=94, expert_bytes=126 * GiB, non_expert_bytes=6 * GiB, kv_bytes_per_token=193536,
+                           n_experts_total=94 * 128, staging_bytes=2 * 128 * (126 * GiB // (94 * 128)))
+    p = place_several(big_model, 4096, [big, GPU("CUDA1", 12 * GiB, 12 * GiB)], [Budget()])
+    per_layer = (big_model.non_expert_bytes + big_model.kv_bytes_per_token * 4096) / 94
+    counts = layer_split(94, [24 * GiB, 12 * GiB])
+    for pool, free, n in zip((p.pool_bytes, p.extra_devices[0].budget_bytes), (24 * GiB, 12 * GiB), counts):
+        assert pool == int(free - per_layer * n - MARGIN) - big_model.staging_bytes
+    p = place_several(QWEN, 4096, [big, small], [Budget(nbytes=10 * GiB), Budget(ratio=0.5)])
+    assert (p.pool_bytes, p.pool_ratio) == (10 * GiB, 0.0) and p.extra_devices[0].budget_ratio == 0.5
+    assert "CUDA1" in p.note and "50% of its experts" in p.note
+    with pytest.raises(PlacementError, match="does not fit CUDA1"):
+        place_several(QWEN, 4096, [big, small], [Budget(ratio=0.25), Budget(nbytes=8 * GiB)])
+    with pytest.raises(PlacementError, match="3 values for 2 devices"):
+        place_several(QWEN, 4096, [big, small], [Budget(ratio=0.25)] * 3)
+    # a device llama.cpp's split leaves without a layer is an error naming it
+    with pytest.raises(PlacementError, match="CUDA1.*no layer"):
+        place_several(QWEN, 4096, [big, GPU("CUDA1", 1, 1)], [Budget(ratio=0.25)])
+
+
+def test_partial_offload_gives_the_host_layers_to_the_first_pool():
+    a, b = GPU("CUDA0", 24 * GiB, 24 * GiB), GPU("CUDA1", 24 * GiB, 24 * GiB)
+    p = place_several(QWEN, 4096, [a, b], [Budget(ratio=0.25)], ngl="20")
+    assert p.n_gpu_layers == 20 and "20/48 layers on 2 devices" in p.note
+    assert "CUDA0: layers 0..38" in p.note and "CUDA1: layers 39..47" in p.note  # 28 host + 11, then 9
+
+
+def test_pool_layer_ranges_follow_llama_cpps_placement():
+    assert pool_layer_ranges(["RPC0"] * 6, ["RPC0"]) == [(0, 0)]  # one device: every layer
+    assert pool_layer_ranges(["RPC0"] * 4 + ["RPC1"] * 2, ["RPC0", "RPC1"]) == [(0, 4), (4, 6)]
+    # the host's layers come first and join the first device's pool
+    assert pool_layer_ranges(["CPU"] * 2 + ["A"] * 2 + ["B"] * 2, ["A", "B"]) == [(0, 4), (4, 6)]
+    # listed in another order than llama.cpp's split
+    assert pool_layer_ranges(["A"] * 3 + ["B"] * 3, ["B", "A"]) == [(3, 6), (0, 3)]
+    # a device whose layers are all dense (deepseek2's leading dense layer) has no pool
+    assert pool_layer_ranges(["A", "B", "B"], ["A", "B"], moe_layers=[1, 2]) == [None, (1, 3)]
+    with pytest.raises(PlacementError, match="--device C: llama.cpp placed no layer"):
+        pool_layer_ranges(["A", "B"], ["A", "C"])
+    with pytest.raises(PlacementError, match="not one contiguous range"):
+        pool_layer_ranges(["A", "B", "A"], ["A", "B"])
+
+
+def test_device_and_budget_lists_parse():
+    opts = RunOptions.from_cli(device="RPC0, RPC1", expert_budget="25%,512M")
+    assert (opts.device, opts.extra_devices) == ("RPC0", ("RPC1",))
+    assert (opts.expert_budget, opts.extra_budgets) == (Budget(ratio=0.25), (Budget(nbytes=512 * 1000**2),))
+    for device, budget, said in (("A,A", None, "distinct"), ("A,", None, "distinct"), ("A,CPU", None, "CPU"),
+                                 ("A,B", "1%,2%,3%", "3 values for 2 device")):
+        with pytest.raises(typer.Exit):
+            RunOptions.from_cli(device=device, expert_budget=budget)

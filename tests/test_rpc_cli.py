@@ -38,6 +38,24 @@ def server():
         proc.wait()
 
 
+@pytest.fixture
+def two_servers():
+    """Two `spac rpc-server`s: two devices, RPC0 and RPC1; their HOST:PORTs joined by a comma."""
+    procs, endpoints = [], []
+    try:
+        for _ in range(2):
+            port = _free_port()
+            procs.append(subprocess.Popen([*SPAC, "rpc-server", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True, cwd=ROOT))
+            assert "RPC server on" in procs[-1].stderr.readline()
+            endpoints.append(f"127.0.0.1:{port}")
+        yield ",".join(endpoints), procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 LONG_PROMPT = "def f(x):\n    return x\n" * 30  # 239 tokens: a streamed prefill (more than 64)
 
 
@@ -113,6 +131,56 @@ def test_a_server_that_dies_mid_run_is_one_line_and_exit_2():
     time.sleep(3)
     server.kill()
     server.wait()
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 2, err[-2000:]
+    assert "--rpc" in err and "RPC server" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not engine_built(), reason="native engine not built")
+def test_the_pool_over_two_rpc_servers_gives_the_target_only_text(two_servers):
+    """Two servers, two devices: llama.cpp's layer split puts layers 0..3 on the first and 4..5
+    on the second, each device's pool holds its own layers' experts; every budget, the pool
+    draft and a streamed prefill give the target-only text, and each device reports its copies."""
+    endpoints, _ = two_servers
+    two = ["--rpc", endpoints, "--device", "RPC0,RPC1"]
+    reference = generate("--no-engine", "--draft", "none")["text"]
+    for budget in ("25%", "50%", "25%,50%"):
+        for draft in ([], ["--draft", "pool"]):
+            out = generate(*two, "--expert-budget", budget, *draft)
+            assert out["text"] == reference, (budget, draft)
+            assert [d["device"] for d in out["per_device"]] == ["RPC0", "RPC1"]
+            assert all(d["bytes_copied"] > 0 and d["n_expert_tokens_device"] > 0 for d in out["per_device"]), out
+            assert "RPC0: layers 0..3" in out["notes"][-1] and "RPC1: layers 4..5" in out["notes"][-1]
+    reference = generate("--no-engine", "--draft", "none", prompt=LONG_PROMPT)["text"]
+    assert generate(*two, "--expert-budget", "25%", prompt=LONG_PROMPT)["text"] == reference
+    # the summary line says what each device copied; --dry-run the placement per device
+    res = spac("generate", "Once upon a time", "-n", "16", "--temp", "0", "-t", "1", *two, "--expert-budget", "25%")
+    assert res.returncode == 0 and "copied (RPC0 " in res.stderr and ", RPC1 " in res.stderr, res.stderr[-2000:]
+    res = spac("generate", "x", "--dry-run", "--json", *two, "--expert-budget", "25%,50%")
+    plan = json.loads(res.stdout)
+    assert plan["pool_devices"] == [{"name": "RPC0", "budget_bytes": 0, "budget_ratio": 0.25},
+                                    {"name": "RPC1", "budget_bytes": 0, "budget_ratio": 0.5}]
+
+
+def test_bad_device_lists_are_one_line_and_exit_2(two_servers):
+    endpoints, _ = two_servers
+    for args, said in ((["--device", "RPC0,RPC0"], "distinct"), (["--device", "RPC0,CPU"], "CPU"),
+                       (["--device", "RPC0,RPC7"], "RPC7: no such device"),
+                       (["--device", "RPC0,RPC1", "--expert-budget", "10%,20%,30%"], "3 values for 2 device"),
+                       (["--device", "RPC0", "--expert-budget", "10%,20%"], "2 values for 1 device")):
+        res = spac("generate", "x", "-n", "2", "--rpc", endpoints, *args)
+        assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr, (args, res.stderr[-500:])
+
+
+@pytest.mark.skipif(not engine_built(), reason="native engine not built")
+def test_one_of_two_servers_dying_mid_run_is_one_line_and_exit_2(two_servers):
+    endpoints, procs = two_servers
+    client = subprocess.Popen([*SPAC, "generate", "Once upon a time", "-n", "-1", "-c", "4096", "-t", "1",
+                               "--rpc", endpoints, "--device", "RPC0,RPC1", "--expert-budget", "25%"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    time.sleep(3)
+    procs[1].kill()
+    procs[1].wait()
     _, err = client.communicate(timeout=60)
     assert client.returncode == 2, err[-2000:]
     assert "--rpc" in err and "RPC server" in err and "Traceback" not in err
