@@ -34,13 +34,18 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
 
     from test_pool_draft import greedy, speculative_greedy
 
-    for arch in ARCHS:
-        path = arch_dir / f"{arch}-moe.gguf"
-        probe = Model(path, repack="off")
-        n_layer = probe.n_layer
-        probe.close()
-        # 2 layers and the output: an even split by free memory would put both layers on the first
-        model = Model(path, repack="off", n_gpu_layers=n_layer, devices=tuple(devices), tensor_split=(1, 2))
+    from orchestrator.gguf_export import make_random_model
+
+    from engine_common import model_config
+
+    # llama.cpp's writer: 2 layers of 2 experts (one layer per device, split 1:2: an even split by
+    # free memory would put both on the first); spac's own: 4 layers of 16 experts, 25% per device
+    cases = [(arch_dir / f"{arch}-moe.gguf", (1, 2), BUDGETS) for arch in ARCHS]
+    cases += [(make_random_model(arch_dir / f"{arch}-16x4.gguf", model_config(arch), seed=3, dtype="f32", quant="q8_0"),
+               (1, 1), [(0.25, 0.25), (0.25, 0.5)]) for arch in ("qwen3moe", "qwen2moe")]
+    for path, split, budgets_tried in cases:
+        arch = path.stem
+        model = Model(path, repack="off", n_gpu_layers=99, devices=tuple(devices), tensor_split=split)
         ctx = Context(model, n_ctx=128, n_batch=16, n_threads=1)
         dctx = Context(model, n_ctx=128, n_batch=16, n_threads=1)
         try:
@@ -49,7 +54,7 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
             moe = model_moe_layers(model.ptr, model.n_layer)
             layers = pool_layer_ranges(placed, devices, moe)  # deepseek2: layer 0 dense, no pool on the first
             ref = greedy(ctx, PROMPT, 24)
-            for budgets in BUDGETS:
+            for budgets in budgets_tried:
                 pools = [PoolDevice(d, budget_ratio=b) for d, b in zip(devices, budgets)]
                 with SeveralPools(ctx.ptr, path, pools, layers) as engine:
                     engine.attach_draft(dctx.ptr)
