@@ -228,10 +228,25 @@ class Session:
         if self.policy.miss != "cpu" or (self.policy.uses_draft_routing and not lookahead) or self.policy.needs_future:
             raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
                              "on the host, from the target's routing and an MoE draft's)")
-        n_slots = int(self.engine.stats()["n_slots"])
+        stats = self.engine.stats()
         self.policy.reset(PolicyContext(n_layer=self.engine.n_moe_layers, n_expert=self.engine.n_expert,
-                                        top_k=self.engine.n_expert_used, capacity=n_slots, gamma=self.gamma))
+                                        top_k=self.engine.n_expert_used, capacity=int(stats["n_slots"]), gamma=self.gamma,
+                                        devices=self._device_spans(stats)))
         self._calibrate(force=cfg.recalibrate)
+
+    def _device_spans(self, stats: dict) -> tuple[tuple[int, int, int], ...]:
+        """PolicyContext.devices: each pool device's MoE layers and slots (() for one device)."""
+        from orchestrator.native import SeveralPools, model_moe_layers
+
+        if not isinstance(self.engine, SeveralPools):
+            return ()
+        moe = model_moe_layers(self.target.ptr, self.target.n_layer)
+        spans = []
+        for engine, row in zip(self.engine.engines, stats["per_device"]):
+            begin, end = engine.layers
+            held = [m for m, il in enumerate(moe) if begin <= il < (end or self.target.n_layer)]
+            spans.append((held[0], held[-1] + 1, int(row["n_slots"])))
+        return tuple(spans)
 
     def _calibrate(self, force: bool) -> None:
         """Measure (or load) the unit costs, then start the plans over: the measurement drove the
@@ -495,6 +510,7 @@ class Session:
             t_draft_token=draft_s / n_drafted if n_drafted else np.nan,
             t_layer=np.full(n_layer, verify_s / n_layer), expert_bytes=self.calibration.expert_bytes,
             free_slots=int(s["n_slots"] - s["n_resident"]), n_drafted=n_drafted,
+            free_slots_per_device=tuple(int(d["n_slots"] - d["n_resident"]) for d in s["per_device"]),
             copies_block_device=copies_block_compute(self.cfg.device))
 
     # -- KV bookkeeping ---------------------------------------------------------------------

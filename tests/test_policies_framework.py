@@ -126,3 +126,29 @@ def test_no_copies_without_a_draft_where_copies_block_the_device():
         assert len(policy.plan(None, np.zeros((2, 8), bool), feedback(blocks, free=6)).prefetch) == 6
         assert len(policy.plan(step, np.zeros((2, 8), bool), feedback(blocks, free=2)).prefetch) == (2 if blocks else 6)
         assert (len(policy.plan(step, np.zeros((2, 8), bool), feedback(blocks)).prefetch) == 0) == blocks
+
+
+def test_a_pool_over_two_devices_is_planned_per_device():
+    """Two devices, layers 0-1 with 3 slots and layers 2-3 with 1: each device wants the best of
+    its own layers, as many as its slots (one global top 4 would want all of them in layers 0-1,
+    which the first device cannot hold, and leave the second's slot empty); each device's link
+    is paced on its own (one copy's time of drafting: one copy per device)."""
+    ctx = PolicyContext(n_layer=4, n_expert=8, top_k=2, capacity=4, gamma=2, devices=((0, 2, 3), (2, 4, 1)))
+    policy = LookaheadUtility(miss="cpu")
+    policy.reset(ctx)
+    hot = np.array([[[0, 1], [0, 1], [5, 6], [5, 6]]] * 3)  # layers 0-1 reuse two experts more
+    step = StepRouting(selected=hot, weights=np.full((3, 4, 2), 0.5), n_drafted=2, n_accepted=2)
+    for _ in range(3):
+        policy.plan(step, np.zeros((4, 8), bool))
+    plan = policy.plan(step, np.zeros((4, 8), bool))
+    wanted = plan.utility.astype(bool)
+    assert wanted[:2].sum() == 3 and wanted[2:].sum() == 1
+    # paced: both devices full, each link gets one copy of the 1 ms drafting window
+    fb = Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=1e-3, t_draft_token=0.5e-3, t_layer=np.zeros(4),
+                  expert_bytes=1.0, free_slots=0, n_drafted=2, copies_block_device=True, free_slots_per_device=(0, 0))
+    resident = np.zeros((4, 8), bool)
+    resident[0, [3, 4]] = resident[1, 3] = True  # the first device's 3 slots, cold experts
+    resident[2, 2] = True                         # the second's one
+    plan = policy.plan(step, resident, fb)
+    layers = plan.prefetch[:, 0]
+    assert (layers < 2).sum() == 1 and (layers >= 2).sum() == 1, plan.prefetch

@@ -47,6 +47,8 @@ class PolicyContext:
 
     capacity: expert-pool slots over all MoE layers. gamma: nominal draft length.
     future: the routing of all steps of the run, for the oracle only (None in a live run).
+    devices: a pool over several devices, (first MoE layer, end, slots) of each: a device's slots
+    hold only its own layers' experts, and each copies over its own link; () = one device.
     """
 
     n_layer: int
@@ -55,6 +57,11 @@ class PolicyContext:
     capacity: int
     gamma: int = 8
     future: Sequence[StepRouting] | None = None
+    devices: tuple[tuple[int, int, int], ...] = ()
+
+    def device_spans(self) -> tuple[tuple[int, int, int], ...]:
+        """(first MoE layer, end, slots) of every pool device (one over all layers by default)."""
+        return self.devices or ((0, self.n_layer, self.capacity),)
 
 
 @dataclass
@@ -78,6 +85,7 @@ class Feedback:
     free_slots: int
     n_drafted: int = 0
     copies_block_device: bool = True
+    free_slots_per_device: tuple[int, ...] = ()  # several pool devices (PolicyContext.devices): each one's free slots
     extra: dict = field(default_factory=dict)
 
 
@@ -174,6 +182,15 @@ def top_scores(score: np.ndarray, capacity: int, per_layer: bool = False) -> np.
             wanted[layer, _top(score[layer], k)] = True
     else:
         wanted.ravel()[_top(score.ravel(), min(capacity, score.size))] = True
+    return wanted
+
+
+def top_per_device(score: np.ndarray, ctx: PolicyContext) -> np.ndarray:
+    """top_scores within each pool device's layers, as many as its slots (PolicyContext.devices):
+    a device's slots can hold only its own layers' experts."""
+    wanted = np.zeros(score.shape, dtype=bool)
+    for first, end, slots in ctx.device_spans():
+        wanted[first:end] = top_scores(score[first:end], slots)
     return wanted
 
 

@@ -21,9 +21,11 @@ step, how often an expert in that cell was used by the following verify pass, an
 is that empirical probability p (Beta(1, 1) prior). No constant is tuned to a model or trace.
 
 Plan: want the `capacity` experts of highest p (global, not per layer: a layer whose routing is
-spread needs more slots), prefetch in p order, evict lowest p first. The first plan fills the
+spread needs more slots; with a pool over several devices, per device among its own layers),
+prefetch in p order, evict lowest p first. The first plan fills the
 pool, and free slots are always filled. Copies that evict are issued only as far as the link
-can finish them before the verify pass starts (measured copy and draft times from `Feedback`)
+can finish them before the verify pass starts (measured copy and draft times from `Feedback`;
+each device's link on its own)
 where copies would delay the pass (`Feedback.copies_block_device`: an RPC
 server copies on its compute thread); a GPU copies while it computes, so there every wanted
 expert is issued at once (`paced="auto"`; an H100 run that paced filled 116 of 256 slots in 27
@@ -40,7 +42,8 @@ from __future__ import annotations
 import numpy as np
 
 from orchestrator.plan import Plan, StepRouting
-from orchestrator.policies.base import Feedback, Policy, PolicyContext, layer_usage, order_rows, smallest_rows, top_scores
+from orchestrator.policies.base import (Feedback, Policy, PolicyContext, layer_usage, order_rows, smallest_rows,
+                                        top_per_device)
 
 N_C, N_R, N_W, N_D = 4, 4, 2, 4
 
@@ -54,7 +57,7 @@ class LookaheadUtility(Policy):
                  paced: bool | str = "auto") -> None:
         self.miss, self.recency, self.lookahead, self.paced = miss, recency, lookahead, paced
         self.copies_block_device = True
-        self.free_slots = 0
+        self.free_slots: tuple[int, ...] = (0,)  # per pool device
         self.uses_draft_routing = lookahead
 
     def reset(self, ctx: PolicyContext) -> None:
@@ -69,7 +72,8 @@ class LookaheadUtility(Policy):
         self.p = np.zeros(shape)
         self.t_io = self.t_draft = 0.0
         self.gamma = ctx.gamma
-        self.link_free = 0.0  # when the copies issued so far finish, relative to the plan after the pass
+        self.link_free = np.zeros(len(ctx.device_spans()))  # per device: when the copies issued so far
+                                                              # finish, relative to the plan after the pass
         self.elapsed = 0.0
 
     # ---- the utility -------------------------------------------------------------------
@@ -115,11 +119,12 @@ class LookaheadUtility(Policy):
             if feedback.t_draft_token > 0:
                 self.t_draft = feedback.t_draft_token
             self.copies_block_device = feedback.copies_block_device
-            self.free_slots = feedback.free_slots
+            self.free_slots = feedback.free_slots_per_device or (feedback.free_slots,)
         if routing is not None:
             self.observe_pass(routing)
             self.gamma = routing.n_drafted or self.gamma
-        self.link_free = self.elapsed = 0.0
+        self.link_free[:] = 0.0
+        self.elapsed = 0.0
         # copies run while the draft drafts; the first plan fills the pool before decoding starts
         return self._plan(resident, tokens_left=self.gamma, filling=routing is None)
 
@@ -133,26 +138,34 @@ class LookaheadUtility(Policy):
     def _plan(self, resident: np.ndarray, tokens_left: int, filling: bool = False) -> Plan:
         self.p = self.probability()
         score = self.p + 1e-3 * self.avg  # ties: the more recently used
-        wanted = top_scores(score, self.ctx.capacity)
+        wanted = top_per_device(score, self.ctx)
         prefetch = order_rows(-score, wanted & ~resident)
         paced = self.copies_block_device if self.paced == "auto" else self.paced
-        if paced and self.gamma == 0 and not filling:
+        if paced and not filling and (self.gamma == 0 or (self.t_io > 0 and self.t_draft > 0)):
+            spans = self.ctx.device_spans()
+            prefetch = np.concatenate([self._paced(d, prefetch[(prefetch[:, 0] >= first) & (prefetch[:, 0] < end)],
+                                                   tokens_left) for d, (first, end, _) in enumerate(spans)])
+        evict = order_rows(score, resident & ~wanted)
+        return Plan(utility=wanted.astype(np.uint8), threshold=np.ones(self.ctx.n_layer, dtype=np.int32),
+                    prefetch=prefetch, evict=evict)
+
+    def _paced(self, device: int, prefetch: np.ndarray, tokens_left: int) -> np.ndarray:
+        """The part of one device's prefetch list to issue now, where copies delay its passes."""
+        free = max(self.free_slots[device] if device < len(self.free_slots) else 0, 0)
+        if self.gamma == 0:
             # no draft to hide a copy behind: where the device copies on the thread that computes,
             # every copy holds up a pass (RPC device, autoregressive: 7.9 tok/s swapping experts
             # against 10.4 for a pool that stays as filled), so only free slots are still filled
             # (a new plan drops the first plan's copies that had not started)
-            prefetch = prefetch[:max(self.free_slots, 0)]
-        elif paced and self.t_io > 0 and self.t_draft > 0 and not filling:
-            # issue only what the link finishes before the verify pass starts; free slots are
-            # filled whatever the window (once: the pool then stays full), else a draft faster
-            # than one copy would never fill it (RPC device: 8 drafts took 2.2 ms, a copy 4 ms)
-            start = max(self.elapsed, self.link_free)
-            budget = int(max(tokens_left * self.t_draft - (start - self.elapsed), 0.0) // self.t_io)
-            prefetch = prefetch[:max(budget, self.free_slots)]
-            self.link_free = start + len(prefetch) * self.t_io
-        evict = order_rows(score, resident & ~wanted)
-        return Plan(utility=wanted.astype(np.uint8), threshold=np.ones(self.ctx.n_layer, dtype=np.int32),
-                    prefetch=prefetch, evict=evict)
+            return prefetch[:free]
+        # issue only what the link finishes before the verify pass starts; free slots are
+        # filled whatever the window (once: the pool then stays full), else a draft faster
+        # than one copy would never fill it (RPC device: 8 drafts took 2.2 ms, a copy 4 ms)
+        start = max(self.elapsed, self.link_free[device])
+        budget = int(max(tokens_left * self.t_draft - (start - self.elapsed), 0.0) // self.t_io)
+        prefetch = prefetch[:max(budget, free)]
+        self.link_free[device] = start + len(prefetch) * self.t_io
+        return prefetch
 
     def victims(self, allocated: np.ndarray, protected: np.ndarray, layer: int, n: int) -> np.ndarray:
         """In-pass copies ("greedy"/"fetch"): give up a slot of a layer this pass has already
