@@ -35,12 +35,22 @@ from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, sy
 
 CARDS = ("rtx4090", "rtx4060")
 MODELS = {"qwen3-30b-a3b": "Q4_K", "gpt-oss-20b": "MXFP4"}
-# --multi-card: one RTX 3090 against two (layer split), on models too big for either
-MULTI_CARDS = ("rtx3090", "2x-rtx3090")
+# --multi-card: one RTX 3090 against two (layer split), both in this machine or the second in
+# another one over the network (ggml RPC), on models too big for either
+MULTI_CARDS = ("rtx3090", "2x-rtx3090", "rtx3090-remote-25gbe", "rtx3090-remote-10gbe")
 MULTI_MODELS = {"qwen3-235b-a22b": "Q4_K", "gpt-oss-120b": "MXFP4"}
 DRAFT, DRAFT_QUANT = "qwen3-0.6b", "Q8_0"
 MARGIN = 1 << 30
 GAMMAS = (1, 2, 4, 8)
+
+
+REMOTE_LABELS = {"rtx3090-remote-25gbe": "RTX 3090 + a second PC's RTX 3090 over 25 GbE",
+                 "rtx3090-remote-10gbe": "RTX 3090 + a second PC's RTX 3090 over 10 GbE"}
+
+
+def card_name(key: str) -> str:
+    """The table's name of a hardware profile: its cards, without the host."""
+    return REMOTE_LABELS.get(key) or profiles.hardware(key).name.split(' + ')[0].split(',')[0]
 
 
 def capacity(config: SimConfig) -> int:
@@ -85,7 +95,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--validation", type=Path, help="bench_sim_truth.py --json output")
     ap.add_argument("--multi-card", action="store_true",
-                    help="one RTX 3090 against two (x8 each), on Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
+                    help="one RTX 3090 against two (x8 each, or the second in another PC over 25 or 10 GbE), on "
+                    "Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
     args = ap.parse_args()
     cards, models = (MULTI_CARDS, MULTI_MODELS) if args.multi_card else (CARDS, MODELS)
 
@@ -105,7 +116,7 @@ def main() -> None:
                      for p in ("static", "spac/host") for s in (False, True)}
             ar, spec = cells[("static", False)], cells[("static", True)]
             pool = f"{ar['share']:.0%} / {spec['share']:.0%} with the draft"
-            print(f"| {profiles.hardware(card).name.split(' + ')[0].split(',')[0]} | {profiles.model(model).name} {quant} | {pool} | "
+            print(f"| {card_name(card)} | {profiles.model(model).name} {quant} | {pool} | "
                   f"{ar['tok_s']:.1f} | {spec['tok_s']:.1f} (γ {spec['gamma']}) | "
                   f"{cells[('spac/host', False)]['tok_s']:.1f} | "
                   f"{cells[('spac/host', True)]['tok_s']:.1f} (γ {cells[('spac/host', True)]['gamma']}) | "

@@ -190,6 +190,7 @@ def working(what: str):
 def profiles_cmd() -> None:
     """List hardware and model profiles (numbers and sources in orchestrator/profiles/*.toml)."""
     hw = [{"key": h.key, "cards": h.n_devices, "VRAM GB": h.vram_GB, "GPU GB/s": h.gpu_bw / 1e9, "PCIe GB/s": h.pcie_bw / 1e9,
+           "network GB/s, µs": f"{h.remote_GBps:g}, {h.remote_latency_us:g}" if h.remote_GBps else "-",
            "CPU GB/s": h.cpu_bw / 1e9, "CPU GFLOP/s": h.cpu_gflops, "name": h.name}
           for h in profiles.hardware_profiles().values()]
     console.print(_table("hardware (effective rates)", hw))

@@ -120,7 +120,7 @@ class PrefillModel:
 
     @property
     def copy_s(self) -> float:
-        return self.w_e / (self.hw.pcie_bw * max(self.hw.n_devices, 1))  # several cards: a link each
+        return self.hw.expert_copy_s(self.w_e)  # several cards: a link each
 
     def head_s(self) -> float:
         """The output head for the prompt's last token (the only logits prefill needs)."""

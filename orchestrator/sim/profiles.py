@@ -70,6 +70,10 @@ class HardwareProfile:
     gpu_tflops: float = 80.0  # not a bottleneck at ≤ 16 verified tokens; kept out of the TOML
     prefill_tflops: float = 0.0  # the GPU's effective rate in prompt processing (spac sim prefill; 0: none given)
     n_devices: int = 1        # cards of this kind, layers split in contiguous ranges; vram_GB and pcie_GBps are per card
+    # the first of the n_devices cards is in another machine (ggml RPC), reached over a network
+    # link of this effective bandwidth and one-way latency (0: every card is local)
+    remote_GBps: float = 0.0
+    remote_latency_us: float = 0.0
 
     @property
     def gpu_bw(self) -> float:
@@ -82,6 +86,25 @@ class HardwareProfile:
     @property
     def cpu_bw(self) -> float:
         return self.cpu_mem_GBps * self.cpu_efficiency * 1e9
+
+    def expert_copy_s(self, expert_bytes: float) -> float:
+        """Time per copied expert over all the cards' links, the copies spread over the cards in
+        proportion to their layers (equal cards: equal shares), each link copying its share back
+        to back while the others do theirs. A remote card's link is the network (bandwidth and
+        one-way latency per copy); a local card's is its PCIe link."""
+        n = max(self.n_devices, 1)
+        local = expert_bytes / self.pcie_bw
+        if not self.remote_GBps:
+            return local / n
+        remote = self.remote_latency_us * 1e-6 + expert_bytes / (self.remote_GBps * 1e9)
+        return max(local, remote) / n
+
+    def remote_crossing(self, d_model: int) -> tuple[float, float]:
+        """(seconds, seconds per token) a remote card adds to each of its MoE layers: the hidden
+        state goes to the host, where the layer's host half runs, and back (F32, both ways)."""
+        if not self.remote_GBps:
+            return 0.0, 0.0
+        return 2 * self.remote_latency_us * 1e-6, 2 * 4 * d_model / (self.remote_GBps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -190,6 +213,7 @@ class CostModel:
     cpu_table: tuple | None = None
     dense_layer_token_s: float = 0.0  # dense_layer_s grows by this per token of the pass
     fixed_pass_token_s: float = 0.0   # fixed_pass_s grows by this per token of the pass
+    sync_token_s: float = 0.0         # sync_s grows by this per token of the pass (a network link's bytes)
     # attention over the KV cache: one block's time per token of context, per pass and per token of
     # the pass (reading the cache, and each token's dot products with it); 0 without a measurement
     attention_block_s: float = 0.0
@@ -230,12 +254,23 @@ class CostModel:
         # with the pool's slots spread over the layers so are the copies (so the links add up);
         # the cards compute one after the other, the hidden state crossing once per card boundary
         n_dev = max(hw.n_devices, 1)
+        sync, sync_token, fixed, fixed_token = hw.sync_us * 1e-6, 0.0, 0.0, 0.0
+        if hw.remote_GBps:
+            # a remote card (first in the split, so that the output head and its logits stay on a
+            # local card): each of its MoE layers crosses the network to the host half and back,
+            # charged here as an average over all layers; the pass's input crosses to it once
+            # and its output comes back once
+            per_layer, per_token = hw.remote_crossing(target.d_model)
+            sync, sync_token = sync + per_layer / n_dev, per_token / n_dev
+            fixed, fixed_token = per_layer, per_token
         return cls(
             expert_bytes=target.expert_bytes(quant), expert_flops=2.0 * target.expert_params,
             gpu_bw=hw.gpu_bw, gpu_flops=hw.gpu_tflops * 1e12, cpu_bw=hw.cpu_bw, cpu_flops=hw.cpu_gflops * 1e9,
-            pcie_bw=hw.pcie_bw * n_dev, dense_layer_s=dense_layer,
-            fixed_pass_s=dense_blocks + head + (n_dev - 1) * hw.sync_us * 1e-6,
-            draft_token_s=draft_s, sync_s=hw.sync_us * 1e-6,
+            pcie_bw=(hw.pcie_bw * n_dev if not hw.remote_GBps
+                     else target.expert_bytes(quant) / hw.expert_copy_s(target.expert_bytes(quant))),
+            dense_layer_s=dense_layer,
+            fixed_pass_s=dense_blocks + head + (n_dev - 1) * hw.sync_us * 1e-6 + fixed, fixed_pass_token_s=fixed_token,
+            draft_token_s=draft_s, sync_s=sync, sync_token_s=sync_token,
             vram_bytes=hw.vram_GB * 1e9 * n_dev, static_bytes=static,
         )
 

@@ -361,7 +361,7 @@ class Simulator:
             stats["cpu_tokens"] += n_host
             acc["cpu"] += n_host
             acc["fetched"] += int(n[miss].sum() - n_host)
-            sync = c.sync_s if len(host_experts) or c.sync_every_layer else 0.0
+            sync = c.sync_s + n_tokens * c.sync_token_s if len(host_experts) or c.sync_every_layer else 0.0
             serial = min(c.sync_serial_s, sync)  # both halves wait for it
             end_host = t + host + (0.0 if c.sync_on_device else sync)
             end_device += serial + (sync - serial if c.sync_on_device else 0.0)
