@@ -164,3 +164,40 @@ def test_two_cards_add_memory_and_links_and_one_crossing():
     assert c2.vram_bytes == 2 * c1.vram_bytes and c2.pcie_bw == 2 * c1.pcie_bw
     assert c2.fixed_pass_s == pytest.approx(c1.fixed_pass_s + two.sync_us * 1e-6)
     assert c2.gpu_bw == c1.gpu_bw and c2.static_bytes == c1.static_bytes
+
+
+def test_a_card_in_another_machine_pays_the_network():
+    """The second card over 25 GbE (ggml RPC): the copies spread over the two links, each link
+    copying its half back to back, so the slower one (the network's bandwidth and latency) sets
+    the pace; every MoE layer on the remote card sends the hidden state to the host half and back
+    over the network (charged per layer as the average over all layers, with a per-token part for
+    the bytes); the pass's input crosses to it and its output back once."""
+    from dataclasses import replace
+
+    from orchestrator.sim import profiles
+
+    remote = profiles.hardware("rtx3090-remote-25gbe")
+    local = replace(remote, remote_GBps=0.0, remote_latency_us=0.0)
+    m = profiles.model("qwen3-235b-a22b")
+    cr, cl = profiles.CostModel.build(remote, m), profiles.CostModel.build(local, m)
+    w = m.expert_bytes("Q4_K")
+    network = remote.remote_latency_us * 1e-6 + w / (remote.remote_GBps * 1e9)
+    assert cr.transfer_s == pytest.approx(network / 2) and network > w / remote.pcie_bw
+    assert cl.transfer_s == pytest.approx(w / remote.pcie_bw / 2)  # two local x16 links
+    assert cr.sync_s == pytest.approx(cl.sync_s + remote.remote_latency_us * 1e-6)  # 2 × latency on half the layers
+    assert cr.sync_token_s == pytest.approx(4 * m.d_model / (remote.remote_GBps * 1e9))
+    assert cr.fixed_pass_s == pytest.approx(cl.fixed_pass_s + 2 * remote.remote_latency_us * 1e-6)
+    assert cr.vram_bytes == cl.vram_bytes and cl.sync_token_s == 0.0
+    # a slower network costs more in the simulated steady state
+    from orchestrator.sim.simulator import SimConfig, Simulator
+    from orchestrator.sim.synthetic import QWEN3_30B_A3B, synthesize_trace
+    from orchestrator.policies import make_policy
+
+    trace = synthesize_trace(60, QWEN3_30B_A3B.with_shape(m.n_layer, m.n_expert, m.top_k), gamma=4, acceptance=0.75,
+                             draft_fidelity=None, seed=0, layer_index=m.layer_index)
+    tok_s = {}
+    for key in ("rtx3090-remote-25gbe", "rtx3090-remote-10gbe", "2x-rtx3090"):
+        config = SimConfig(hardware=key, model="qwen3-235b-a22b", draft=None, capacity=3000)
+        r = Simulator(trace, config).run(make_policy("spac/host"))
+        tok_s[key] = r.tokens / r.time_s
+    assert tok_s["rtx3090-remote-10gbe"] < tok_s["rtx3090-remote-25gbe"] < tok_s["2x-rtx3090"], tok_s
