@@ -152,3 +152,22 @@ def test_a_pool_over_two_devices_is_planned_per_device():
     plan = policy.plan(step, resident, fb)
     layers = plan.prefetch[:, 0]
     assert (layers < 2).sum() == 1 and (layers >= 2).sum() == 1, plan.prefetch
+
+
+def test_static_and_paper_policies_plan_per_device():
+    """llama.cpp's --n-cpu-moe placement over two devices: each device takes whole layers from its
+    own last layer down; MoE-SpAc's balancer sees each layer's share of its own device's slots."""
+    from orchestrator.policies.spac import MoESpAc
+    from orchestrator.policies.static import StaticPlacement
+
+    ctx = PolicyContext(n_layer=6, n_expert=4, top_k=2, capacity=12, devices=((0, 4, 8), (4, 6, 4)))
+    static = StaticPlacement()
+    static.reset(ctx)
+    assert static.placement.any(axis=1).tolist() == [False, False, True, True, False, True]
+    with pytest.raises(ValueError, match="needs 12 slots on a device, the pool has 8"):
+        StaticPlacement(n_cpu_moe=1).reset(ctx)
+    paper = MoESpAc()
+    paper.reset(ctx)
+    assert paper.slots_per_layer.tolist() == [2, 2, 2, 2, 2, 2]
+    paper.reset(PolicyContext(n_layer=6, n_expert=4, top_k=2, capacity=12, devices=((0, 2, 8), (2, 6, 4))))
+    assert paper.slots_per_layer.tolist() == [4, 4, 1, 1, 1, 1]

@@ -85,7 +85,10 @@ class MoESpAc(Policy):
         self.balancer = WorkloadBalancer(ctx.n_layer, ctx.n_expert, ctx.top_k, k_max=self.estimator.k_max,
                                          fixed_threshold=FIXED_THRESHOLD if self.no_balancer else None)
         self.threshold = np.full(ctx.n_layer, self.estimator.k_max, dtype=np.int32)
-        self.slots_per_layer = ctx.capacity / ctx.n_layer
+        # each layer's share of its device's slots (one device: capacity / L everywhere)
+        self.slots_per_layer = np.zeros(ctx.n_layer)
+        for first, end, slots in ctx.device_spans():
+            self.slots_per_layer[first:end] = slots / max(end - first, 1)
         self.costs: UnitCosts | None = None
         self.static: Plan | None = None
 
@@ -102,7 +105,10 @@ class MoESpAc(Policy):
         freq = routing.frequency(ctx.n_expert)
         if self.no_prefetch:
             if self.static is None:
-                keep = top_scores(np.where(freq > 0, freq, -np.inf).astype(np.float64), ctx.capacity, per_layer=True)
+                score = np.where(freq > 0, freq, -np.inf).astype(np.float64)
+                keep = np.zeros(score.shape, dtype=bool)
+                for first, end, slots in ctx.device_spans():
+                    keep[first:end] = top_scores(score[first:end], slots, per_layer=True)
                 self.static = Plan(utility=keep.astype(np.uint8), threshold=np.ones(ctx.n_layer, dtype=np.int32))
             return self.static
         utility = self.estimator.update(freq)

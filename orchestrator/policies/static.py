@@ -21,15 +21,20 @@ class StaticPlacement(Policy):
         self.n_cpu_moe = n_cpu_moe
 
     def reset(self, ctx: PolicyContext) -> None:
+        """A pool over several devices (ctx.devices): whole layers per device, each device's
+        from its last layer down as its slots allow (its slots hold only its own layers)."""
         super().reset(ctx)
-        on_device = min(ctx.capacity // ctx.n_expert, ctx.n_layer)
-        n_cpu = ctx.n_layer - on_device if self.n_cpu_moe is None else self.n_cpu_moe
-        if (ctx.n_layer - n_cpu) * ctx.n_expert > ctx.capacity:
-            raise ValueError(f"--n-cpu-moe {n_cpu} needs {(ctx.n_layer - n_cpu) * ctx.n_expert} slots, "
-                             f"the pool has {ctx.capacity}")
         self.placement = np.zeros((ctx.n_layer, ctx.n_expert), dtype=bool)
-        self.placement[n_cpu:] = True
-        self.n_cpu = n_cpu
+        if self.n_cpu_moe is not None:
+            self.placement[self.n_cpu_moe:] = True
+        for first, end, slots in ctx.device_spans():
+            if self.n_cpu_moe is None:
+                on_device = min(slots // ctx.n_expert, end - first)
+                self.placement[end - on_device:end] = True
+            elif self.placement[first:end].sum() > slots:
+                raise ValueError(f"--n-cpu-moe {self.n_cpu_moe} needs {self.placement[first:end].sum()} slots"
+                                 f"{' on a device' if ctx.devices else ''}, the pool has {slots}")
+        self.n_cpu = int((~self.placement.any(axis=1)).sum())
 
     def plan(self, routing: StepRouting | None, resident: np.ndarray, feedback: Feedback | None = None) -> Plan:
         return keep_plan(self.placement)
