@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
@@ -103,6 +104,8 @@ def _bind():
         "create": fn("spac_engine_create", eng_p, ctx_p, POINTER(SpacEngineParams), c_char_p, c_size_t),
         "free": fn("spac_engine_free", None, eng_p),
         "n_moe_layers": fn("spac_engine_n_moe_layers", c_int32, eng_p),
+        "moe_begin": fn("spac_engine_moe_begin", c_int32, eng_p),
+        "moe_end": fn("spac_engine_moe_end", c_int32, eng_p),
         "n_expert": fn("spac_engine_n_expert", c_int32, eng_p),
         "n_expert_used": fn("spac_engine_n_expert_used", c_int32, eng_p),
         # arrays go in as plain addresses: the Python wrapper checks dtype and shape first
@@ -316,6 +319,7 @@ class ExpertEngine:
         if not self._eng:
             raise NativeError(err.value.decode(errors="replace"))
         self.n_moe_layers = int(lib()["n_moe_layers"](self._eng))
+        self.moe_range = (int(lib()["moe_begin"](self._eng)), int(lib()["moe_end"](self._eng)))  # the MoE layers it holds
         self.n_expert = int(lib()["n_expert"](self._eng))
         self.n_expert_used = int(lib()["n_expert_used"](self._eng))
         self._shape = (self.n_moe_layers, self.n_expert)
@@ -419,7 +423,7 @@ class PoolDevice:
 
     name: str
     budget_bytes: int = 0
-    budget_ratio: float = 0.0
+    budget_ratio: float = DEFAULT_BUDGET_RATIO
 
 
 class SeveralPools:
@@ -449,12 +453,15 @@ class SeveralPools:
             e.set_plan(plan)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
-        return all([e.wait_idle(timeout_s) for e in self.engines])
+        """Every device's worker idle within timeout_s in all."""
+        deadline = time.monotonic() + timeout_s
+        return all([e.wait_idle(max(deadline - time.monotonic(), 0.0)) for e in self.engines])
 
     def stats(self) -> dict:
         rows = [e.stats() for e in self.engines]
         out = {k: sum(r[k] for r in rows) for k, _ in SpacEngineStats._fields_}
-        out["resident_per_layer"] = (self.residency() >= 0).sum(axis=1).tolist()
+        # each engine counts only its own layers' residents (0 elsewhere)
+        out["resident_per_layer"] = np.sum([r["resident_per_layer"] for r in rows], axis=0).tolist()
         out["per_device"] = [r["per_device"][0] for r in rows]
         return out
 
@@ -467,8 +474,17 @@ class SeveralPools:
         return np.max([e.residency() for e in self.engines], axis=0)
 
     def attach_draft(self, ctx) -> None:
-        for e in self.engines:
-            e.attach_draft(ctx)
+        """To every device's pool, or to none (a draft masked on some layers only would not be
+        the pool draft)."""
+        attached = []
+        try:
+            for e in self.engines:
+                e.attach_draft(ctx)
+                attached.append(e)
+        except BaseException:
+            for e in attached:
+                e.detach_draft(ctx)
+            raise
 
     def detach_draft(self, ctx) -> None:
         for e in self.engines:

@@ -308,7 +308,8 @@ class RunOptions:
         devices = [d.strip() for d in (v["device"] or "").split(",")] if v["device"] is not None else [None]
         if "" in devices or len(set(devices)) < len(devices):
             fail(f"--device {v['device']!r}: give distinct device names, comma-separated")
-        if len(devices) > 1 and any(d.upper() == "CPU" for d in devices):
+        devices = ["CPU" if d and d.upper() == "CPU" else d for d in devices]
+        if len(devices) > 1 and "CPU" in devices:
             fail("--device: CPU (the test stand-in) cannot be one of several devices")
         if len(budgets) > 1 and len(budgets) != len(devices):
             fail(f"--expert-budget: {len(budgets)} values for {len(devices)} device(s) (give one, or one per --device)")
@@ -525,6 +526,7 @@ def session_setup(opts: RunOptions) -> Setup:
                         stream_prefill="off" if not p.stream_prefill else None if opts.stream_prefill == "auto"
                         else opts.stream_prefill,
                         budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, extra_devices=p.extra_devices,
+                        tensor_split=p.tensor_split,
                         ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
                         mmap=opts.mmap)

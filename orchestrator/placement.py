@@ -60,6 +60,7 @@ class Placement:
     note: str              # one line: where things went and why (or why the pool is off)
     stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
     extra_devices: tuple[PoolDevice, ...] = ()  # several devices (place_several): the others, in order
+    tensor_split: tuple[float, ...] = ()         # several devices: llama.cpp's --tensor-split (their free memory)
 
     @property
     def stream_prefill(self) -> bool:
@@ -183,11 +184,11 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
     counts[0] += n_layer - want  # the host's layers: their experts in the first device's pool
     staging = sizes.staging_bytes if stream else 0
     out, stream_off = [], ""
-    for gpu, budget, n in zip(gpus, budgets, counts):
+    for i, (gpu, budget, n) in enumerate(zip(gpus, budgets, counts)):
         if n == 0:
             raise PlacementError(f"--device {gpu.name}: llama.cpp's layer split gives it no layer of {n_layer} "
                                  f"({want} on the devices); drop it or raise -ngl")
-        on_dev = n - (n_layer - want if gpu is gpus[0] else 0)
+        on_dev = n - (n_layer - want if i == 0 else 0)
         left = int(gpu.free - per_layer * on_dev - margin)
         experts = sizes.expert_bytes * n // n_layer  # the experts of its layers
         if not budget.auto:
@@ -206,15 +207,17 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
         if staging and pool + staging > left and not stream_off:
             stream_off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {gpu.name}"
         share = f"{pool / experts:.0%} of its experts" if experts else "no experts"
-        first = sum(counts[:len(out)])
+        lo = sum(counts[:i])
         out.append((PoolDevice(gpu.name, nbytes, ratio),
-                    f"{gpu.name}: layers {first}..{first + n - 1}, expert pool {_mib(pool)} ({share})"))
+                    f"{gpu.name}: layers {lo}..{lo + n - 1}, expert pool {_mib(pool)} ({share})"))
     note = f"{want}/{n_layer} layers on {len(gpus)} devices; " + "; ".join(n for _, n in out)
     if stream_off:
         note += f"; streamed prefill off: {stream_off}"
-    first = out[0][0]
-    return Placement(first.name, want, first.budget_bytes, first.budget_ratio, note, stream_off,
-                     extra_devices=tuple(d for d, _ in out[1:]))
+    head = out[0][0]
+    # the free memory this rule split by is handed to llama.cpp as its --tensor-split, so that the
+    # layers land where the budgets were sized, whatever the devices report at load time
+    return Placement(head.name, want, head.budget_bytes, head.budget_ratio, note, stream_off,
+                     extra_devices=tuple(d for d, _ in out[1:]), tensor_split=tuple(float(g.free) for g in gpus))
 
 
 def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str],

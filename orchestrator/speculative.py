@@ -91,6 +91,7 @@ class SessionConfig:
     # more pool devices after `device` (llama.cpp's layer split puts a range of layers on each, and
     # each pool holds its own layers' experts); their budget_ratio is a share of those experts
     extra_devices: tuple[PoolDevice, ...] = ()
+    tensor_split: tuple[float, ...] = ()  # llama.cpp's --tensor-split over device + extra_devices (() = by free memory)
     ablations: Ablations = field(default_factory=Ablations)
     recalibrate: bool = False
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
@@ -153,9 +154,10 @@ class Session:
 
     def _open(self, cfg: SessionConfig) -> None:
         ab = cfg.ablations
-        pool_devices = cfg.pool_devices()
+        on_gpu = (cfg.device or "CPU").upper() != "CPU"  # CPU: the test device, a second host buffer
         self.target = self._model(cfg.model, cfg.n_gpu_layers,
-                                  devices=tuple(d.name for d in pool_devices) if cfg.device not in (None, "CPU") else ())
+                                  devices=tuple(d.name for d in cfg.pool_devices()) if on_gpu else (),
+                                  tensor_split=cfg.tensor_split if on_gpu else ())
         pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
         if pool_draft:
             self.draft = self.target if self.target.n_expert and cfg.engine is not False else None
@@ -184,9 +186,10 @@ class Session:
             self.draft = self.draft_ctx = None
             self.mode, self.gamma = "autoregressive", 0
 
-    def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = ()) -> Model:
+    def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = ()) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
-                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap, devices=devices)
+                  verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap, devices=devices,
+                  tensor_split=tensor_split)
         self._models.append(m)
         return m
 
@@ -204,7 +207,7 @@ class Session:
         try:
             # streaming a prompt to the CPU test device would only add copies to the host's work
             stream = cfg.stream_prefill if cfg.stream_prefill is not None else (
-                "ahead" if cfg.device not in (None, "CPU") else "off")
+                "ahead" if (cfg.device or "CPU").upper() != "CPU" else "off")
             engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=stream)
             if cfg.extra_devices:  # one pool per device, on the layers llama.cpp placed there
                 devices = cfg.pool_devices()
@@ -236,17 +239,11 @@ class Session:
 
     def _device_spans(self, stats: dict) -> tuple[tuple[int, int, int], ...]:
         """PolicyContext.devices: each pool device's MoE layers and slots (() for one device)."""
-        from orchestrator.native import SeveralPools, model_moe_layers
+        from orchestrator.native import SeveralPools
 
         if not isinstance(self.engine, SeveralPools):
             return ()
-        moe = model_moe_layers(self.target.ptr, self.target.n_layer)
-        spans = []
-        for engine, row in zip(self.engine.engines, stats["per_device"]):
-            begin, end = engine.layers
-            held = [m for m, il in enumerate(moe) if begin <= il < (end or self.target.n_layer)]
-            spans.append((held[0], held[-1] + 1, int(row["n_slots"])))
-        return tuple(spans)
+        return tuple((*engine.moe_range, int(row["n_slots"])) for engine, row in zip(self.engine.engines, stats["per_device"]))
 
     def _calibrate(self, force: bool) -> None:
         """Measure (or load) the unit costs, then start the plans over: the measurement drove the
@@ -502,16 +499,22 @@ class Session:
         the calibration (NaN: no new sample)."""
         s, prev = self.engine.stats(), self._stats_prev
         self._stats_prev = s
-        n_copies = s["n_copies"] - prev["n_copies"]
+
+        def t_io(now: dict, then: dict) -> float:
+            n_copies = now["n_copies"] - then["n_copies"]
+            return (now["copy_busy_us"] - then["copy_busy_us"]) * 1e-6 / n_copies if n_copies > 0 else np.nan
+
         n_layer = self.engine.n_moe_layers
+        devices = list(zip(s["per_device"], prev["per_device"]))
         return Feedback(
-            t_cpu_unit=np.nan, t_gpu_unit=np.nan,
-            t_io_unit=(s["copy_busy_us"] - prev["copy_busy_us"]) * 1e-6 / n_copies if n_copies > 0 else np.nan,
+            t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=t_io(s, prev),
             t_draft_token=draft_s / n_drafted if n_drafted else np.nan,
             t_layer=np.full(n_layer, verify_s / n_layer), expert_bytes=self.calibration.expert_bytes,
             free_slots=int(s["n_slots"] - s["n_resident"]), n_drafted=n_drafted,
-            free_slots_per_device=tuple(int(d["n_slots"] - d["n_resident"]) for d in s["per_device"]),
-            copies_block_device=copies_block_compute(self.cfg.device))
+            copies_block_device=copies_block_compute(self.cfg.device),
+            free_slots_per_device=tuple(int(now["n_slots"] - now["n_resident"]) for now, _ in devices),
+            t_io_per_device=tuple(t_io(now, then) for now, then in devices),
+            copies_block_per_device=tuple(copies_block_compute(now["device"]) for now, _ in devices))
 
     # -- KV bookkeeping ---------------------------------------------------------------------
 

@@ -84,9 +84,9 @@ def test_pacing_keeps_the_last_copy_time_and_follows_the_device():
     full = np.zeros((2, 8), bool)
     full[:, :3] = True  # 6 slots, all taken
     paced.plan(None, np.zeros((2, 8), bool), feedback(1e-3, True))
-    assert paced.t_io == 1e-3
+    assert paced.t_io[0] == 1e-3
     plan = paced.plan(step, full, feedback(np.nan, True))
-    assert paced.t_io == 1e-3 and len(plan.prefetch) == 2  # two draft tokens' time, 1 ms a copy
+    assert paced.t_io[0] == 1e-3 and len(plan.prefetch) == 2  # two draft tokens' time, 1 ms a copy
     free = LookaheadUtility(miss="cpu")
     free.reset(ctx)
     assert len(free.plan(None, np.zeros((2, 8), bool), feedback(1e-3, False)).prefetch) == 6
@@ -171,3 +171,23 @@ def test_static_and_paper_policies_plan_per_device():
     assert paper.slots_per_layer.tolist() == [2, 2, 2, 2, 2, 2]
     paper.reset(PolicyContext(n_layer=6, n_expert=4, top_k=2, capacity=12, devices=((0, 2, 8), (2, 6, 4))))
     assert paper.slots_per_layer.tolist() == [4, 4, 1, 1, 1, 1]
+
+
+def test_each_device_paces_its_own_link():
+    """A GPU beside an RPC server: only the server's copies delay its passes, so only its link is
+    paced (one copy of its 1 ms window at 1 ms a copy, none at 2 ms); the GPU takes every copy."""
+    ctx = PolicyContext(n_layer=4, n_expert=8, top_k=2, capacity=4, gamma=2, devices=((0, 2, 2), (2, 4, 2)))
+    step = StepRouting(selected=np.array([[[0, 1], [0, 1], [0, 1], [0, 1]]] * 3), weights=np.full((3, 4, 2), 0.5),
+                       n_drafted=2, n_accepted=2)
+    resident = np.zeros((4, 8), bool)
+    resident[[0, 2], 5] = resident[[1, 3], 6] = True  # every slot taken by a cold expert
+    for t_io, n_rpc in ((1e-3, 1), (2e-3, 0)):
+        policy = LookaheadUtility(miss="cpu")
+        policy.reset(ctx)
+        fb = Feedback(t_cpu_unit=np.nan, t_gpu_unit=np.nan, t_io_unit=t_io, t_draft_token=0.5e-3, t_layer=np.zeros(4),
+                      expert_bytes=1.0, free_slots=0, n_drafted=2, free_slots_per_device=(0, 0),
+                      t_io_per_device=(t_io, t_io), copies_block_per_device=(False, True))
+        policy.plan(step, resident, fb)
+        plan = policy.plan(step, resident, fb)
+        layers = plan.prefetch[:, 0]
+        assert (layers < 2).sum() == 2 and (layers >= 2).sum() == n_rpc, (t_io, plan.prefetch)

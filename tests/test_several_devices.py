@@ -103,8 +103,9 @@ def check_streamed_prefill_on_two_devices(devices: list[str], tmp: Path) -> None
     (the staging copies of the second device start with the ubatch, beside the first's)."""
     from orchestrator.gguf_export import make_random_model
     from orchestrator.llm import Context, Model
-    from orchestrator.native import PoolDevice, SeveralPools, model_layer_devices
+    from orchestrator.native import ExpertEngine, PoolDevice, SeveralPools, model_layer_devices
     from orchestrator.placement import pool_layer_ranges
+    from orchestrator.plan import Plan
 
     from engine_common import model_config
 
@@ -126,6 +127,21 @@ def check_streamed_prefill_on_two_devices(devices: list[str], tmp: Path) -> None
             stats = engine.stats()
             assert stats["n_expert_tokens_cpu"] == 0
             assert all(d["bytes_staged"] > 0 for d in stats["per_device"]), stats["per_device"]
+        # a device without room for staging slots does not stream: its layers keep upstream's
+        # prefill, but the model's last layer keeps only the output rows and splits, reading the
+        # split maps its pool fills beside the other's stage map
+        ctx.clear()
+        ctx.decode(tokens, logits_all=False)
+        reference = ctx.logits()[-1].copy()
+        with ExpertEngine(ctx.ptr, path, device=devices[0], budget_ratio=0.25, stream_prefill=True, layers=layers[0]), \
+             ExpertEngine(ctx.ptr, path, device=devices[1], budget_ratio=0.25, stream_prefill=False, layers=layers[1]) as last:
+            last.set_plan(Plan(np.full((4, 16), 1, np.uint8), np.ones(4, np.int32)))  # some resident: a real split
+            assert last.wait_idle()
+            ctx.clear()
+            ctx.decode(tokens, logits_all=False)
+            got = ctx.logits()[-1].copy()
+            np.testing.assert_allclose(got, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+            assert last.stats()["n_expert_tokens_device"] > 0  # its last layer split
     finally:
         ctx.close()
         model.close()

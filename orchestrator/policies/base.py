@@ -85,7 +85,11 @@ class Feedback:
     free_slots: int
     n_drafted: int = 0
     copies_block_device: bool = True
-    free_slots_per_device: tuple[int, ...] = ()  # several pool devices (PolicyContext.devices): each one's free slots
+    # several pool devices (PolicyContext.devices), each one's: free slots, copy time per expert
+    # (NaN: no copy this step) and whether its copies delay its passes (() = the fields above)
+    free_slots_per_device: tuple[int, ...] = ()
+    t_io_per_device: tuple[float, ...] = ()
+    copies_block_per_device: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict)
 
 

@@ -56,7 +56,6 @@ class LookaheadUtility(Policy):
     def __init__(self, miss: str = "greedy", recency: float = 0.5, lookahead: bool = True,
                  paced: bool | str = "auto") -> None:
         self.miss, self.recency, self.lookahead, self.paced = miss, recency, lookahead, paced
-        self.copies_block_device = True
         self.free_slots: tuple[int, ...] = (0,)  # per pool device
         self.uses_draft_routing = lookahead
 
@@ -70,7 +69,9 @@ class LookaheadUtility(Policy):
         self.used_table = np.ones(N_C * N_R * N_W * N_D)     # Beta(1, 1)
         self.seen_table = np.full(N_C * N_R * N_W * N_D, 2.0)
         self.p = np.zeros(shape)
-        self.t_io = self.t_draft = 0.0
+        self.t_io = np.zeros(len(ctx.device_spans()))  # per device: copy time per expert
+        self.t_draft = 0.0
+        self.copies_block = (True,) * len(ctx.device_spans())  # per device: its copies delay its passes
         self.gamma = ctx.gamma
         self.link_free = np.zeros(len(ctx.device_spans()))  # per device: when the copies issued so far
                                                               # finish, relative to the plan after the pass
@@ -114,11 +115,12 @@ class LookaheadUtility(Policy):
         if feedback is not None:
             # a step without copies (or without drafting) measures nothing: keep the last value,
             # else pacing would switch itself off on every such step
-            if feedback.t_io_unit > 0:
-                self.t_io = feedback.t_io_unit
+            n_dev = len(self.link_free)
+            t_io = feedback.t_io_per_device or (feedback.t_io_unit,) * n_dev
+            self.t_io = np.array([new if new > 0 else old for new, old in zip(t_io, self.t_io)])
             if feedback.t_draft_token > 0:
                 self.t_draft = feedback.t_draft_token
-            self.copies_block_device = feedback.copies_block_device
+            self.copies_block = feedback.copies_block_per_device or (feedback.copies_block_device,) * n_dev
             self.free_slots = feedback.free_slots_per_device or (feedback.free_slots,)
         if routing is not None:
             self.observe_pass(routing)
@@ -140,17 +142,20 @@ class LookaheadUtility(Policy):
         score = self.p + 1e-3 * self.avg  # ties: the more recently used
         wanted = top_per_device(score, self.ctx)
         prefetch = order_rows(-score, wanted & ~resident)
-        paced = self.copies_block_device if self.paced == "auto" else self.paced
-        if paced and not filling and (self.gamma == 0 or (self.t_io > 0 and self.t_draft > 0)):
-            spans = self.ctx.device_spans()
+        if not filling:  # each device's link on its own
             prefetch = np.concatenate([self._paced(d, prefetch[(prefetch[:, 0] >= first) & (prefetch[:, 0] < end)],
-                                                   tokens_left) for d, (first, end, _) in enumerate(spans)])
+                                                   tokens_left)
+                                       for d, (first, end, _) in enumerate(self.ctx.device_spans())])
         evict = order_rows(score, resident & ~wanted)
         return Plan(utility=wanted.astype(np.uint8), threshold=np.ones(self.ctx.n_layer, dtype=np.int32),
                     prefetch=prefetch, evict=evict)
 
     def _paced(self, device: int, prefetch: np.ndarray, tokens_left: int) -> np.ndarray:
         """The part of one device's prefetch list to issue now, where copies delay its passes."""
+        paced = self.copies_block[device] if self.paced == "auto" else self.paced
+        t_io = self.t_io[device]
+        if not paced or (self.gamma > 0 and not (t_io > 0 and self.t_draft > 0)):
+            return prefetch
         free = max(self.free_slots[device] if device < len(self.free_slots) else 0, 0)
         if self.gamma == 0:
             # no draft to hide a copy behind: where the device copies on the thread that computes,
@@ -162,9 +167,9 @@ class LookaheadUtility(Policy):
         # filled whatever the window (once: the pool then stays full), else a draft faster
         # than one copy would never fill it (RPC device: 8 drafts took 2.2 ms, a copy 4 ms)
         start = max(self.elapsed, self.link_free[device])
-        budget = int(max(tokens_left * self.t_draft - (start - self.elapsed), 0.0) // self.t_io)
+        budget = int(max(tokens_left * self.t_draft - (start - self.elapsed), 0.0) // t_io)
         prefetch = prefetch[:max(budget, free)]
-        self.link_free[device] = start + len(prefetch) * self.t_io
+        self.link_free[device] = start + len(prefetch) * t_io
         return prefetch
 
     def victims(self, allocated: np.ndarray, protected: np.ndarray, layer: int, n: int) -> np.ndarray:
