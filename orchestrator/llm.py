@@ -129,8 +129,9 @@ class Model:
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
         them (llama.cpp's --device; default: every GPU it sees), tensor_split their shares of the
-        layers (llama.cpp's --tensor-split; default: in proportion to their free memory). repack: the host weights' layout,
-        auto | on | off (`host_layout`; auto measures with n_threads, the contexts' threads).
+        layers (llama.cpp's --tensor-split; default: in proportion to their free memory).
+        repack: the host weights' layout, auto | on | off (`host_layout`; auto measures with
+        n_threads, the contexts' threads).
         check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
         mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
         host buffers, which the GPU copies from several times faster than from a mapped file). The

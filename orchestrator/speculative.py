@@ -98,7 +98,6 @@ class SessionConfig:
     verbose: bool = False
     check_tensors: bool = False  # llama.cpp's --check-tensors: validate the weights' data on load
 
-
     def pool_devices(self) -> list[PoolDevice]:
         """Every pool device, `device` first, with its budget."""
         return [PoolDevice(self.device or "CPU", self.budget_bytes, self.budget_ratio), *self.extra_devices]
