@@ -27,7 +27,8 @@ def trace(request):
 
 
 @pytest.mark.parametrize("ratio, visibility, hardware", [(0.1, "pass", "rtx4090"), (0.17, "pass", "rtx4060"),
-                                                         (0.3, "layer", "rtx4090"), (0.8, "pass", "rtx4060")])
+                                                         (0.3, "layer", "rtx4090"), (0.8, "pass", "rtx4060"),
+                                                         (0.3, "pass", "rtx3090-remote-10gbe")])
 def test_limit_bounds_every_policy(trace, ratio, visibility, hardware):
     sim = Simulator(trace, SimConfig(cache_ratio=ratio, visibility=visibility, hardware=hardware))
     bound = limit(trace, sim.capacity, sim.costs)
