@@ -192,7 +192,8 @@ OPTIONS: dict[str, _Opt] = {
     "device": _Opt("model", Optional[str], None, typer.Option(
         "--device", help="pool device: a ggml device name (CUDA0, ...) or CPU (the test stand-in); a list "
         "(CUDA0,CUDA1 or RPC0,RPC1) splits the layers over the devices as llama.cpp does, each holding the pool "
-        "of its own layers' experts \\[default: the first GPU; none: the pool is off]", show_default=False)),
+        "of its own layers' experts \\[default: every GPU ggml sees, as llama.cpp (an RPC server's device is one); "
+        "none: the pool is off]", show_default=False)),
     "rpc": _Opt("model", Optional[str], None, typer.Option(
         "--rpc", help="RPC servers HOST:PORT,... (spac rpc-server, llama.cpp's rpc-server): their devices join "
         "the list (RPC0, ...), for --device", show_default=False)),
@@ -480,21 +481,25 @@ def session_setup(opts: RunOptions) -> Setup:
             register_servers(opts.rpc)
         except NativeError as e:
             fail(f"--rpc: {e}")
-    if opts.device is not None and opts.device.upper() != "CPU":
+    names = [opts.device, *opts.extra_devices] if opts.device is not None else []
+    seen: dict[str, GPU] = {}
+    if names != ["CPU"]:
         from orchestrator.placement import devices
 
-        seen = {d[0]: GPU(d[0], d[2], d[3]) for d in devices()}
-        for name in (opts.device, *opts.extra_devices):
+        seen = {name: GPU(name, free, total) for name, _, free, total in devices()}
+        for name in names:
             if name not in seen:
                 fail(f"--device {name}: no such device; ggml sees {', '.join(seen)} (CPU = the test stand-in)")
+        if not names and engine is not False and sizes.expert_bytes:
+            # as llama.cpp: every GPU it sees takes layers (an RPC server's device counts as one)
+            names = [name for name, kind, _, _ in devices() if kind == 1]
     try:
-        if opts.extra_devices:
+        if len(names) > 1:
             if not sizes.expert_bytes or engine is False:
                 fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
                      "give one device")
-            p = place_several(sizes, n_ctx, [seen[n] for n in (opts.device, *opts.extra_devices)],
-                              [opts.expert_budget, *opts.extra_budgets], opts.n_gpu_layers,
-                              stream=opts.stream_prefill != "off")
+            p = place_several(sizes, n_ctx, [seen[n] for n in names], [opts.expert_budget, *opts.extra_budgets],
+                              opts.n_gpu_layers, stream=opts.stream_prefill != "off")
         else:
             p = place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
                       engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off")

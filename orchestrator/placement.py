@@ -213,6 +213,8 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
     note = f"{want}/{n_layer} layers on {len(gpus)} devices; " + "; ".join(n for _, n in out)
     if stream_off:
         note += f"; streamed prefill off: {stream_off}"
+    elif staging:
+        note += f"; + {_mib(staging)} of staging slots for streamed prefill on each"
     head = out[0][0]
     # the free memory this rule split by is handed to llama.cpp as its --tensor-split, so that the
     # layers land where the budgets were sized, whatever the devices report at load time

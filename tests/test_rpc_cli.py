@@ -151,6 +151,9 @@ def test_the_pool_over_two_rpc_servers_gives_the_target_only_text(two_servers):
             assert [d["device"] for d in out["per_device"]] == ["RPC0", "RPC1"]
             assert all(d["bytes_copied"] > 0 and d["n_expert_tokens_device"] > 0 for d in out["per_device"]), out
             assert "RPC0: layers 0..3" in out["notes"][-1] and "RPC1: layers 4..5" in out["notes"][-1]
+    # without --device, every GPU-type device ggml sees takes layers (as llama.cpp), each with its pool
+    out = generate("--rpc", endpoints, "--expert-budget", "25%")
+    assert out["text"] == reference and [d["device"] for d in out["per_device"]] == ["RPC0", "RPC1"]
     reference = generate("--no-engine", "--draft", "none", prompt=LONG_PROMPT)["text"]
     assert generate(*two, "--expert-budget", "25%", prompt=LONG_PROMPT)["text"] == reference
     # the summary line says what each device copied; --dry-run the placement per device
