@@ -189,12 +189,12 @@ def top_scores(score: np.ndarray, capacity: int, per_layer: bool = False) -> np.
     return wanted
 
 
-def top_per_device(score: np.ndarray, ctx: PolicyContext) -> np.ndarray:
+def top_per_device(score: np.ndarray, ctx: PolicyContext, per_layer: bool = False) -> np.ndarray:
     """top_scores within each pool device's layers, as many as its slots (PolicyContext.devices):
     a device's slots can hold only its own layers' experts."""
     wanted = np.zeros(score.shape, dtype=bool)
     for first, end, slots in ctx.device_spans():
-        wanted[first:end] = top_scores(score[first:end], slots)
+        wanted[first:end] = top_scores(score[first:end], slots, per_layer)
     return wanted
 
 

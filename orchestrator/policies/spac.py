@@ -28,7 +28,7 @@ import numpy as np
 from orchestrator.balancer import FIXED_THRESHOLD, UnitCosts, WorkloadBalancer
 from orchestrator.estimator import UtilityEstimator
 from orchestrator.plan import Plan, StepRouting
-from orchestrator.policies.base import Feedback, Policy, PolicyContext, top_scores
+from orchestrator.policies.base import Feedback, Policy, PolicyContext, top_per_device
 
 
 def _switch(label: str, help: str):
@@ -105,10 +105,7 @@ class MoESpAc(Policy):
         freq = routing.frequency(ctx.n_expert)
         if self.no_prefetch:
             if self.static is None:
-                score = np.where(freq > 0, freq, -np.inf).astype(np.float64)
-                keep = np.zeros(score.shape, dtype=bool)
-                for first, end, slots in ctx.device_spans():
-                    keep[first:end] = top_scores(score[first:end], slots, per_layer=True)
+                keep = top_per_device(np.where(freq > 0, freq, -np.inf).astype(np.float64), ctx, per_layer=True)
                 self.static = Plan(utility=keep.astype(np.uint8), threshold=np.ones(ctx.n_layer, dtype=np.int32))
             return self.static
         utility = self.estimator.update(freq)
