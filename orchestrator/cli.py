@@ -90,6 +90,8 @@ def _describe(session, setup) -> str:
         parts.append(f"draft {name}, γ={session.gamma}")
     else:
         parts.append("autoregressive")
+    if session.gamma_note:
+        parts.append(session.gamma_note)
     parts += setup.notes
     if session.engine is not None:
         st = session.engine.stats()
@@ -105,7 +107,12 @@ def _run_info(session, setup, opts: RunOptions) -> dict:
     """What --json reports about the run's setup: γ, seed, pool (or why it is off)."""
     stats = session.engine.stats() if session.engine is not None else None
     off = setup.pool_off_reason or (session.engine_note if session.engine is None else "")
-    return {"gamma": session.gamma, "seed": opts.seed, "seed_random": opts.seed_random,
+    ctx = session.ctx
+    return {"gamma": session.gamma, "gamma_note": session.gamma_note or None,
+            # a recurrent (hybrid) target: how deep a verify pass can roll back, and how often a
+            # trim past that computed the kept tokens again
+            "recurrent": {"rollback": ctx.rollback, "replays": ctx.n_replays} if ctx.recurrent else None,
+            "seed": opts.seed, "seed_random": opts.seed_random,
             "pool_device": session.cfg.device if session.engine is not None else None,
             "budget_bytes": session.cfg.budget_bytes, "budget_ratio": session.cfg.budget_ratio,
             "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,

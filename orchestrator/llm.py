@@ -258,20 +258,37 @@ class Model:
 
 
 class Context:
-    """One sequence on one model: decode token runs, read logits, trim the KV cache."""
+    """One sequence on one model: decode token runs, read logits, trim the cache.
+
+    The cache is llama.cpp's memory: a KV cache, or on a hybrid model (Qwen3.5/3.6-MoE,
+    Qwen3-Next) a KV cache beside a recurrent state that cannot be cut back anywhere. Such a
+    state rolls back only through llama.cpp's snapshots of the last decode's trailing tokens
+    (`rollback`: how many, llama.cpp's n_rs_seq); a trim deeper than that, or a second one before
+    the next decode, computes the kept tokens again from the start (`n_replays` counts those).
+    A recurrent trim is applied at the next decode, so that several trims in a row (a rejected
+    draft, then a stop string) cost one rollback."""
 
     def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_threads: int = 2,
-                 kv_f32: bool = False, cb_eval=None, cb_eval_user_data=None, op_offload: bool = True):
+                 kv_f32: bool = False, cb_eval=None, cb_eval_user_data=None, op_offload: bool = True,
+                 rollback: int = 0, forks: bool = False):
         """op_offload: llama.cpp's default for a batch of 32+ tokens on a model with device layers,
         computing host-resident weights' ops on the device by copying the weights there
-        (False: llama.cpp's --no-op-offload, they compute on the host)."""
+        (False: llama.cpp's --no-op-offload, they compute on the host).
+        rollback: on a recurrent model, the deepest trim after a multi-token decode that must
+        not recompute (a verify pass's rejected drafts: γ); each costs one state's memory.
+        forks: on a recurrent model, room for a scratch sequence (`fork`), for a draft whose
+        single-token decodes leave nothing to roll back to."""
         self.model = model
+        self.recurrent = bool(L.llama_model_is_recurrent(model.ptr) or L.llama_model_is_hybrid(model.ptr))
         params = L.llama_context_default_params()
         params.op_offload = op_offload
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = n_batch
         params.n_threads = params.n_threads_batch = n_threads
-        params.n_seq_max = 1
+        params.n_seq_max = 2 if forks and self.recurrent else 1
+        params.kv_unified = params.n_seq_max > 1  # a fork shares the KV cells of what it forked from
+        if self.recurrent:
+            params.n_rs_seq = max(0, min(rollback, n_batch - 1))
         if kv_f32:
             params.type_k = params.type_v = GGML_TYPE_F32
         if cb_eval is not None:
@@ -281,6 +298,11 @@ class Context:
         if not self.ptr:
             raise ModelError(f"could not create a context of {n_ctx} tokens for {model.path.name}")
         self.n_ctx, self.n_batch, self.n_vocab = n_ctx, n_batch, model.n_vocab
+        # the deepest cheap trim: any for a KV cache; what llama.cpp granted for a recurrent state
+        # (0 where the architecture has no snapshots)
+        self.rollback = int(L.llama_n_rs_seq(self.ptr)) if self.recurrent else n_ctx
+        self.forks = params.n_seq_max > 1
+        self.n_replays = 0
         self.memory = L.llama_get_memory(self.ptr)
         self._batch = L.llama_batch_init(n_batch, 0, 1)
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(n_batch,))
@@ -288,28 +310,40 @@ class Context:
         self._n_seq_id = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(n_batch,))
         self._logits = np.ctypeslib.as_array(self._batch.logits, shape=(n_batch,))
         self._n_seq_id[:] = 1
-        for i in range(n_batch):
-            self._batch.seq_id[i][0] = 0
-        self.n_past = 0  # tokens in the KV cache
+        self._set_seq(0)
+        self.n_past = 0  # tokens in the cache, as the caller sees it
+        self._history = np.zeros(n_ctx, dtype=np.int32)  # the tokens at positions 0..: what a replay decodes
+        self._last_run = 0  # tokens of the last llama_decode (its trailing ones have snapshots); 0: unknown
+        self._fork_at: int | None = None
+
+    def _set_seq(self, seq: int) -> None:
+        self._seq = seq
+        for i in range(self.n_batch):
+            self._batch.seq_id[i][0] = seq
 
     def decode(self, tokens, logits_all: bool = True) -> None:
         """Append tokens at the end of the sequence (one llama_decode per n_batch tokens)."""
         tokens = np.asarray(tokens, dtype=np.int32)
+        if self.recurrent:
+            self._settle()
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
             n = len(chunk)
             if self.n_past + n > self.n_ctx:
                 raise ModelError(f"context full: {self.n_past + n} tokens > n_ctx {self.n_ctx}")
             self._tokens[:n] = chunk
+            self._history[self.n_past:self.n_past + n] = chunk
             self._pos[:n] = np.arange(self.n_past, self.n_past + n, dtype=np.int32)
             last = start + n == len(tokens)
             self._logits[:n] = 1 if logits_all else 0
             if last:
                 self._logits[n - 1] = 1
             self._batch.n_tokens = n
+            self._last_run = 0  # until this decode is known to have completed
             rc = L.llama_decode(self.ptr, self._batch)
             if rc != 0:
                 raise ModelError(f"llama_decode failed with code {rc}")
+            self._last_run = n
             self.n_past += n
             self._n_out = n if logits_all else 1
 
@@ -321,13 +355,67 @@ class Context:
     def trim(self, n_keep: int, force: bool = False) -> None:
         """Drop every cached position >= n_keep (rejected draft tokens). force: remove them even
         past n_past, in case a decode was interrupted after writing the cache."""
-        if force or n_keep < self.n_past:
-            L.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
+        if self.recurrent:  # applied at the next decode (_settle), which reads the memory's own end
             self.n_past = min(self.n_past, n_keep)
+            return
+        if force or n_keep < self.n_past:
+            L.llama_memory_seq_rm(self.memory, self._seq, n_keep, -1)
+            self.n_past = min(self.n_past, n_keep)
+
+    def can_trim(self, n_keep: int) -> bool:
+        """Whether trimming to n_keep now keeps the cache without computing it again."""
+        if not self.recurrent or n_keep >= self._memory_end():
+            return True
+        drop = self._memory_end() - n_keep
+        return drop <= min(self.rollback, self._last_run - 1)
+
+    def _memory_end(self) -> int:
+        return int(L.llama_memory_seq_pos_max(self.memory, self._seq)) + 1
+
+    def _settle(self) -> None:
+        """Make a recurrent memory end at n_past: one rollback to a snapshot where the last
+        decode kept one, else the kept tokens computed again from an empty state."""
+        end = self._memory_end()
+        if end == self.n_past:
+            return
+        if end > self.n_past and self.can_trim(self.n_past):
+            if L.llama_memory_seq_rm(self.memory, self._seq, self.n_past, -1):
+                self._last_run = 0  # a snapshot is used once: the next trim needs the next decode's
+                return
+        keep = self.n_past
+        self.n_replays += 1
+        L.llama_memory_seq_rm(self.memory, self._seq, -1, -1)
+        if self._seq == 0:
+            L.llama_memory_clear(self.memory, True)
+        self.n_past = 0
+        if keep:
+            self.decode(self._history[:keep].copy(), logits_all=False)
+
+    def fork(self) -> None:
+        """Go on in a scratch sequence that starts as this one (a recurrent draft's drafted
+        tokens, which single-token decodes leave no snapshot to roll back over); `join` drops it."""
+        if self._fork_at is not None:
+            return
+        self._settle()
+        L.llama_memory_seq_cp(self.memory, 0, 1, -1, -1)
+        self._fork_at = self.n_past
+        self._set_seq(1)
+
+    def join(self) -> None:
+        """Forget the scratch sequence: the cache is what it was at `fork`."""
+        if self._fork_at is None:
+            return
+        L.llama_memory_seq_rm(self.memory, 1, -1, -1)
+        self.n_past, self._fork_at = self._fork_at, None
+        self._last_run = 0
+        self._set_seq(0)
 
     def clear(self) -> None:
         L.llama_memory_clear(self.memory, True)
         self.n_past = 0
+        self._last_run = 0
+        self._fork_at = None
+        self._set_seq(0)
 
     def close(self) -> None:
         if self.ptr:

@@ -166,10 +166,17 @@ class Session:
         n_batch = max(cfg.n_batch, cfg.gamma + 1)
         trained = self.target.meta(f"{self.target.arch}.context_length")
         self.n_ctx = cfg.n_ctx or int(trained or 4096)
-        self.ctx = self._context(self.target, self.n_ctx, n_batch, cfg.n_threads)
+        # a verify pass rejects at most γ drafts: a recurrent state keeps that many snapshots
+        self.ctx = self._context(self.target, self.n_ctx, n_batch, cfg.n_threads,
+                                 rollback=cfg.gamma if self.draft is not None else 0)
+        self.gamma_note = ""
+        if self.draft is not None and self.ctx.rollback < cfg.gamma:
+            self._drop_draft()
+            self.gamma_note = (f"γ=0: the {self.target.arch} recurrent state of {self.target.path.name} "
+                               "cannot be rolled back (llama.cpp keeps no snapshots of it)")
         if self.draft is not None:  # a pool draft's compute buffers: sized for drafting, not prefill
             self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch if self.draft is not self.target
-                                           else max(cfg.gamma + 1, 16), cfg.n_threads)
+                                           else max(cfg.gamma + 1, 16), cfg.n_threads, forks=True)
         self.mode = "speculative" if self.draft is not None else "autoregressive"
         self.gamma = cfg.gamma if self.draft is not None else 0
         self.governor = Governor(GovernorConfig(gamma_max=self.gamma)) if cfg.adaptive_gamma and self.gamma else None
@@ -179,11 +186,7 @@ class Session:
         elif cfg.engine and not self.target.n_expert:
             self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
         if pool_draft and self.engine is None:  # no pool, no pool draft: decode autoregressively
-            if self.draft_ctx is not None:
-                self._contexts.remove(self.draft_ctx)
-                self.draft_ctx.close()
-            self.draft = self.draft_ctx = None
-            self.mode, self.gamma = "autoregressive", 0
+            self._drop_draft()
 
     def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = ()) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
@@ -192,10 +195,22 @@ class Session:
         self._models.append(m)
         return m
 
-    def _context(self, model: Model, n_ctx: int, n_batch: int, n_threads: int) -> Context:
-        c = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+    def _context(self, model: Model, n_ctx: int, n_batch: int, n_threads: int, rollback: int = 0,
+                 forks: bool = False) -> Context:
+        c = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, rollback=rollback, forks=forks)
         self._contexts.append(c)
         return c
+
+    def _drop_draft(self) -> None:
+        """Decode autoregressively: the draft (and its context, if made) closed."""
+        if self.draft_ctx is not None:
+            self._contexts.remove(self.draft_ctx)
+            self.draft_ctx.close()
+        if self.draft is not None and self.draft is not self.target:
+            self._models.remove(self.draft)
+            self.draft.close()
+        self.draft = self.draft_ctx = None
+        self.mode, self.gamma = "autoregressive", 0
 
     def _open_engine(self, cfg: SessionConfig) -> None:
         from orchestrator.native import ExpertEngine, NativeError, Routing, SeveralPools, model_layer_devices, model_moe_layers
@@ -262,6 +277,7 @@ class Session:
         self._send(self.policy.plan(None, self._resident(), self.calibration.feedback()))
         self.engine.reset_stats()
         self._stats_prev = self.engine.stats()
+        self.ctx.n_replays = 0  # the measurement's trims of whole batches are not the run's
 
     def _open_draft_routing(self, Routing) -> None:
         """An MoE draft with the target's experts (the quantised self-draft) routes the tokens it
@@ -404,7 +420,9 @@ class Session:
         if gamma > 0 and dctx is not None:
             feed = tokens[dctx.n_past:]
             is_eog = self.draft.is_eog
-            for _ in range(gamma):
+            for i in range(gamma):
+                if i == 1 and dctx.forks:  # drafts of a recurrent draft: in a scratch sequence
+                    dctx.fork()
                 # with the lookahead every fed token gets its logits, so that upstream routes it
                 # through the last layer too (the routing of a catch-up decode's last token)
                 dctx.decode(feed, logits_all=lookahead)
@@ -431,7 +449,9 @@ class Session:
             a, nxt = verify_sampled(drafts, q, logits, sampling, rng)
         t2 = time.perf_counter()
         ctx.trim(base + a)
-        if dctx is not None:
+        if dctx is not None and dctx.forks:
+            dctx.join()  # back to tokens[:base]; the next step's catch-up decodes the accepted drafts
+        elif dctx is not None:
             dctx.trim(min(dctx.n_past, base + min(a, max(len(drafts) - 1, 0))))
         if self.engine is not None:
             if lookahead:
@@ -530,6 +550,10 @@ class Session:
                 break
             common += 1
         keep = min(common, len(prompt) - 1)  # the last prompt token is always computed: its logits
+        if not self.ctx.can_trim(keep):  # a recurrent state that cannot go back there: as a new prompt
+            keep = 0
+        if self.draft_ctx is not None and not self.draft_ctx.can_trim(keep):
+            self.draft_ctx.clear()
         self._tokens = list(prompt[:keep + 1])  # the KV caches hold tokens[:-1]
         self._sync()
         self._tokens = list(prompt)

@@ -57,6 +57,10 @@ COMMON = dict(hidden_size=N_EMBD, num_hidden_layers=N_LAYER, num_attention_heads
               max_position_embeddings=512, tie_word_embeddings=False, num_experts_per_tok=N_USED,
               initializer_range=0.05)
 
+HYBRID = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
+              linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+              linear_num_value_heads=4)
+
 # architecture: (transformers config class, its arguments)
 ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3moe": ("Qwen3MoeConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT,
@@ -89,7 +93,17 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "gpt-oss": ("GptOssConfig", dict(intermediate_size=N_FF_EXP, num_local_experts=N_EXPERT, head_dim=64,
                                      sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
                                      attention_bias=True, max_position_embeddings=4096)),
+    # hybrids: gated-delta-net linear attention (a recurrent state, no KV cache) in three layers
+    # of four, full attention in the fourth (Qwen3.5/3.6-MoE's full_attention_interval); fewer
+    # key than value heads in the linear layers (the converter's V-head reorder); a shared expert
+    "qwen35moe": ("Qwen3_5MoeTextConfig", dict(moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT, head_dim=64,
+                                               shared_expert_intermediate_size=N_FF_EXP, **HYBRID)),
+    "qwen3next": ("Qwen3NextConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT,
+                                          head_dim=64, shared_expert_intermediate_size=N_FF_EXP,
+                                          norm_topk_prob=True, **HYBRID)),
 }
+# converter flags per architecture: the hybrids' tiny configs have no MTP layers to convert
+CONVERT_FLAGS = {"qwen35moe": ["--no-mtp"], "qwen3next": ["--no-mtp"]}
 # the chat template each model carries, a file of the pinned tree (read at build time, not copied)
 TEMPLATES = {"gpt-oss": "models/templates/openai-gpt-oss-120b.jinja"}
 DEFAULT_TEMPLATE = "models/templates/Qwen-Qwen3-0.6B.jinja"
@@ -217,18 +231,19 @@ from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 script = sys.argv[1] + "/convert_hf_to_gguf.py"
 for job in sys.argv[2:]:
-    model_dir, outtype, outfile = job.split("|")
-    sys.argv = [script, model_dir, "--outtype", outtype, "--outfile", outfile]
+    model_dir, outtype, outfile, *flags = job.split("|")
+    sys.argv = [script, model_dir, "--outtype", outtype, "--outfile", outfile, *flags]
     runpy.run_path(script, run_name="__main__")
 """
 
 
-def convert(jobs: list[tuple[Path, str, Path]]) -> None:
-    """The pinned tree's convert_hf_to_gguf.py on every (model dir, outtype, outfile), in one process."""
+def convert(jobs: list[tuple[Path, str, Path]], flags: list[str] = ()) -> None:
+    """The pinned tree's convert_hf_to_gguf.py on every (model dir, outtype, outfile), in one
+    process, each with the extra command-line flags."""
     script = LLAMA_CPP_TREE / "convert_hf_to_gguf.py"
     if not script.exists():
         raise SystemExit(f"{script} not found: run scripts/build_native.py (it extracts the pinned tree)")
-    args = [f"{d}|{t}|{f}" for d, t, f in jobs]
+    args = ["|".join([str(d), t, str(f), *flags]) for d, t, f in jobs]
     res = subprocess.run([sys.executable, "-c", CONVERT_SHIM, str(LLAMA_CPP_TREE), *args], capture_output=True,
                          text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if res.returncode != 0:
@@ -265,7 +280,7 @@ def build_arch(arch: str, out: Path, quantizer: Path) -> dict:
     ref = reference(model, tokenizer)
     del model
     files = {t: out / f"{arch}-{t}.gguf" for t in [*TYPES, DRAFT_TYPE]}
-    convert([(hf_dir, t, files[t]) for t in ("f32", "f16")])
+    convert([(hf_dir, t, files[t]) for t in ("f32", "f16")], CONVERT_FLAGS.get(arch, []))
     for t in ("q8_0", "q4_k_m", DRAFT_TYPE):
         quantize(quantizer, files["f32"], files[t], t)
     types = {t: sorted(set(tensor_types(f).values())) for t, f in files.items()}
