@@ -187,7 +187,8 @@ def generate(
                 "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.device if cfg.engine is not False else None,
                 "budget_bytes": cfg.budget_bytes, "budget_ratio": cfg.budget_ratio,
                 "pool_devices": [vars(d) for d in cfg.pool_devices()] if cfg.engine is not False else [],
-                "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed}
+                "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed,
+                "recurrent_state_bytes": setup.state_bytes}
         _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
         return
     try:

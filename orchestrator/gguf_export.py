@@ -1,4 +1,5 @@
-"""Write GGUF models for llama.cpp: Qwen3-MoE, Qwen3 (dense), Qwen2-MoE (shared expert), OLMoE.
+"""Write GGUF models for llama.cpp: Qwen3-MoE, Qwen3 (dense), Qwen2-MoE (shared expert), OLMoE,
+Qwen3.5/3.6-MoE (qwen35moe: a hybrid of gated-delta-net linear attention and full attention).
 
 A model is a `ModelConfig`, a `Tokenizer` and a dict of numpy arrays named as in GGUF
 (`blk.0.ffn_gate_exps.weight`, ...). Array shapes follow PyTorch (out, in): ggml's shapes
@@ -12,8 +13,8 @@ from `gguf`'s constants, never re-typed.
 Every file is written to a temporary name beside its destination and renamed when complete,
 so a failure never leaves a half-written model behind.
 
-Why ~450 lines: the model config, its tensor shapes and the writer must agree tensor by tensor
-for four architectures; the tokenizer (tokenizer.py) and the draft slicer (hot_experts.py) are
+Why ~520 lines: the model config, its tensor shapes and the writer must agree tensor by tensor
+for five architectures; the tokenizer (tokenizer.py) and the draft slicer (hot_experts.py) are
 separate.
 """
 
@@ -53,9 +54,13 @@ __all__ = [
 
 ARCHES: dict[str, MODEL_ARCH] = {
     gguf.MODEL_ARCH_NAMES[a]: a
-    for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN2MOE, MODEL_ARCH.OLMOE)
+    for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN3, MODEL_ARCH.QWEN2MOE, MODEL_ARCH.OLMOE, MODEL_ARCH.QWEN35MOE)
 }
-MOE_ARCHES = {gguf.MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN2MOE, MODEL_ARCH.OLMOE)}
+MOE_ARCHES = {gguf.MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN3MOE, MODEL_ARCH.QWEN2MOE, MODEL_ARCH.OLMOE,
+                                                  MODEL_ARCH.QWEN35MOE)}
+# Qwen3.5/3.6's mrope_section (config.json), which llama.cpp's qwen35moe requires; a text-only
+# prompt has the same position in every section
+QWEN35_ROPE_SECTIONS = (11, 11, 10, 0)
 
 # Types `write_gguf` produces itself (numpy); anything else goes through `quantize_gguf`.
 WRITE_DTYPES: dict[str, GGMLQuantizationType] = {
@@ -100,6 +105,23 @@ class ModelConfig:
     tie_embeddings: bool = False  # no output.weight; llama.cpp reuses token_embd (qwen3*)
     qkv_bias: bool = False  # qwen2moe: Q/K/V projections carry biases
     name: str = "spac-model"
+    # qwen35moe: every full_attention_interval-th layer is full attention (a gated query: q and its
+    # gate from one projection, rope on rope_dim of head_dim), the others gated delta nets with
+    # linear_k_heads key and linear_v_heads value heads of linear_head_dim and a conv of conv_kernel
+    full_attention_interval: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_head_dim: int = 0
+    conv_kernel: int = 0
+    rope_dim: int = 0  # 0: head_dim
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.arch == "qwen35moe"
+
+    def is_recurrent(self, layer: int) -> bool:
+        """A linear-attention layer of a hybrid (llama.cpp's hparams.is_recr)."""
+        return self.is_hybrid and (layer + 1) % self.full_attention_interval != 0
 
     @property
     def is_moe(self) -> bool:
@@ -125,6 +147,18 @@ class ModelConfig:
             raise ValueError(f"{self.arch} is dense and needs n_ff > 0")
         elif self.n_expert:
             raise ValueError(f"{self.arch} is dense but n_expert = {self.n_expert}")
+        if self.is_hybrid:
+            for f in ("full_attention_interval", "linear_k_heads", "linear_v_heads", "linear_head_dim", "conv_kernel",
+                      "n_ff_shexp"):
+                if getattr(self, f) <= 0:
+                    raise ValueError(f"{self.arch}: {f} must be > 0, got {getattr(self, f)}")
+            if self.linear_v_heads % self.linear_k_heads:
+                raise ValueError(f"linear_v_heads {self.linear_v_heads} is not a multiple of linear_k_heads "
+                                 f"{self.linear_k_heads}")
+        elif self.full_attention_interval or self.linear_k_heads or self.linear_v_heads or self.conv_kernel:
+            raise ValueError(f"{self.arch} has no linear-attention layers")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}")
         if self.arch == "qwen2moe":
             if self.n_ff_shexp <= 0:
                 raise ValueError("qwen2moe needs n_ff_shexp > 0 (shared expert)")
@@ -132,7 +166,7 @@ class ModelConfig:
                 raise ValueError("qwen2moe needs n_head * head_dim == n_embd")
             if self.tie_embeddings:
                 raise ValueError("qwen2moe requires output.weight (tie_embeddings=False)")
-        elif self.n_ff_shexp or self.qkv_bias:
+        elif (self.n_ff_shexp and not self.is_hybrid) or self.qkv_bias:
             raise ValueError(f"{self.arch} has no shared expert or Q/K/V bias")
         if self.arch == "olmoe":
             if self.n_head * self.head_dim != self.n_embd or self.n_head_kv != self.n_head:
@@ -156,6 +190,10 @@ def tiny_config(arch: str = "qwen3moe", **overrides) -> ModelConfig:
         base.update(n_ff_shexp=64, qkv_bias=True)
     if arch == "olmoe":
         base.update(n_head_kv=4, n_ff=32)
+    if arch == "qwen35moe":  # 4 layers: three linear-attention layers, then one full-attention layer
+        # head_dim 32: its rope sections (11 + 11 + 10 pairs) must fit in a head
+        base.update(n_layer=4, head_dim=32, n_ff_shexp=32, full_attention_interval=4, linear_k_heads=2,
+                    linear_v_heads=4, linear_head_dim=16, conv_kernel=4, rope_dim=8)
     base.update(overrides)
     cfg = ModelConfig(**base)
     cfg.check()
@@ -164,33 +202,42 @@ def tiny_config(arch: str = "qwen3moe", **overrides) -> ModelConfig:
 
 def _tn(t: MODEL_TENSOR, suffix: str = "weight", bid: int | None = None) -> str:
     name = gguf.TENSOR_NAMES[t] if bid is None else gguf.TENSOR_NAMES[t].format(bid=bid)
-    return f"{name}.{suffix}"
+    return f"{name}.{suffix}" if suffix else name
+
+
+def _linear_attention(cfg: ModelConfig, L) -> dict[str, tuple[int, ...]]:
+    """A gated delta net's tensors (llama.cpp's qwen35moe load_arch_tensors): q, k, v from one
+    projection through a causal conv, an output gate, per-value-head decay (ssm_a, ssm_dt) and
+    mixing rates (ssm_alpha, ssm_beta), a norm of head size and the output projection."""
+    d, hd = cfg.n_embd, cfg.linear_head_dim
+    key, value = cfg.linear_k_heads * hd, cfg.linear_v_heads * hd
+    return {L(MODEL_TENSOR.SSM_A, ""): (cfg.linear_v_heads,),
+            L(MODEL_TENSOR.SSM_CONV1D): (2 * key + value, cfg.conv_kernel),
+            L(MODEL_TENSOR.SSM_DT, "bias"): (cfg.linear_v_heads,),
+            L(MODEL_TENSOR.SSM_ALPHA): (cfg.linear_v_heads, d),
+            L(MODEL_TENSOR.SSM_BETA): (cfg.linear_v_heads, d),
+            L(MODEL_TENSOR.ATTN_QKV): (2 * key + value, d),
+            L(MODEL_TENSOR.ATTN_GATE): (value, d),
+            L(MODEL_TENSOR.SSM_NORM): (hd,),
+            L(MODEL_TENSOR.SSM_OUT): (d, value)}
 
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model has, in file order, with its numpy (PyTorch-order) shape."""
     cfg.check()
-    d, hd, v = cfg.n_embd, cfg.head_dim, cfg.n_vocab
-    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    d, v = cfg.n_embd, cfg.n_vocab
     shapes: dict[str, tuple[int, ...]] = {_tn(MODEL_TENSOR.TOKEN_EMBD): (v, d)}
     for i in range(cfg.n_layer):
         L = lambda t, s="weight": _tn(t, s, i)  # noqa: E731
         shapes[L(MODEL_TENSOR.ATTN_NORM)] = (d,)
-        shapes[L(MODEL_TENSOR.ATTN_Q)] = (q, d)
-        shapes[L(MODEL_TENSOR.ATTN_K)] = (kv, d)
-        shapes[L(MODEL_TENSOR.ATTN_V)] = (kv, d)
-        if cfg.qkv_bias:
-            shapes[L(MODEL_TENSOR.ATTN_Q, "bias")] = (q,)
-            shapes[L(MODEL_TENSOR.ATTN_K, "bias")] = (kv,)
-            shapes[L(MODEL_TENSOR.ATTN_V, "bias")] = (kv,)
-        if cfg.arch == "olmoe":  # q/k norm over the whole projection
-            shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (q,)
-            shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (kv,)
-        elif cfg.arch != "qwen2moe":
-            shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (hd,)
-            shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (hd,)
-        shapes[L(MODEL_TENSOR.ATTN_OUT)] = (d, q)
-        shapes[L(MODEL_TENSOR.FFN_NORM)] = (d,)
+        if cfg.is_recurrent(i):
+            shapes.update(_linear_attention(cfg, L))
+        else:
+            _attention(cfg, L, shapes)
+        if cfg.is_hybrid:  # the post-attention norm stands where ffn_norm does
+            shapes[L(MODEL_TENSOR.ATTN_POST_NORM)] = (d,)
+        else:
+            shapes[L(MODEL_TENSOR.FFN_NORM)] = (d,)
         if cfg.is_moe:
             e, f = cfg.n_expert, cfg.n_ff_exp
             shapes[L(MODEL_TENSOR.FFN_GATE_INP)] = (e, d)
@@ -199,7 +246,7 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[L(MODEL_TENSOR.FFN_DOWN_EXP)] = (e, d, f)
             if cfg.n_ff_shexp:
                 s = cfg.n_ff_shexp
-                shapes[L(MODEL_TENSOR.FFN_GATE_INP_SHEXP)] = (d,)
+                shapes[L(MODEL_TENSOR.FFN_GATE_INP_SHEXP)] = (1, d) if cfg.is_hybrid else (d,)
                 shapes[L(MODEL_TENSOR.FFN_GATE_SHEXP)] = (s, d)
                 shapes[L(MODEL_TENSOR.FFN_UP_SHEXP)] = (s, d)
                 shapes[L(MODEL_TENSOR.FFN_DOWN_SHEXP)] = (d, s)
@@ -211,6 +258,26 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_embeddings:
         shapes[_tn(MODEL_TENSOR.OUTPUT)] = (v, d)
     return shapes
+
+
+def _attention(cfg: ModelConfig, L, shapes: dict) -> None:
+    """A layer's (full) attention tensors; qwen35moe's query projection also gives its output gate."""
+    d, hd = cfg.n_embd, cfg.head_dim
+    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    shapes[L(MODEL_TENSOR.ATTN_Q)] = (2 * q if cfg.is_hybrid else q, d)
+    shapes[L(MODEL_TENSOR.ATTN_K)] = (kv, d)
+    shapes[L(MODEL_TENSOR.ATTN_V)] = (kv, d)
+    if cfg.qkv_bias:
+        shapes[L(MODEL_TENSOR.ATTN_Q, "bias")] = (q,)
+        shapes[L(MODEL_TENSOR.ATTN_K, "bias")] = (kv,)
+        shapes[L(MODEL_TENSOR.ATTN_V, "bias")] = (kv,)
+    if cfg.arch == "olmoe":  # q/k norm over the whole projection
+        shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (q,)
+        shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (kv,)
+    elif cfg.arch != "qwen2moe":
+        shapes[L(MODEL_TENSOR.ATTN_Q_NORM)] = (hd,)
+        shapes[L(MODEL_TENSOR.ATTN_K_NORM)] = (hd,)
+    shapes[L(MODEL_TENSOR.ATTN_OUT)] = (d, q)
 
 
 TensorSource = Mapping[str, "np.ndarray | Callable[[], np.ndarray]"]
@@ -242,11 +309,22 @@ def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def _random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name.endswith(SSM_A):
+        return ssm_a(rng, shape)
     if len(shape) == 1:
         base = 0.0 if name.endswith(".bias") or "shexp" in name else 1.0
         return (base + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     scale = 1.0 if name.startswith(gguf.TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]) else shape[-1] ** -0.5
     return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+SSM_A = ".ssm_a"
+
+
+def ssm_a(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """A gated delta net's per-head decay rate as llama.cpp reads it, -exp(A_log) with A drawn
+    from 1..16 (Qwen3.5's initialisation): negative, so the state decays instead of growing."""
+    return -rng.uniform(1.0, 16.0, shape).astype(np.float32)
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -282,9 +360,17 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, tok: Tokenizer, dtype:
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim or cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_freq_base)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.is_hybrid:  # llama.cpp's hparams: ssm_d_state = head dim, n_group = key heads, dt_rank = value heads
+        w.add_ssm_conv_kernel(cfg.conv_kernel)
+        w.add_ssm_state_size(cfg.linear_head_dim)
+        w.add_ssm_group_count(cfg.linear_k_heads)
+        w.add_ssm_time_step_rank(cfg.linear_v_heads)
+        w.add_ssm_inner_size(cfg.linear_v_heads * cfg.linear_head_dim)
+        w.add_full_attention_interval(cfg.full_attention_interval)
+        w.add_rope_dimension_sections(list(QWEN35_ROPE_SECTIONS))
     if cfg.is_moe:
         w.add_expert_count(cfg.n_expert)
         w.add_expert_used_count(cfg.n_expert_used)
@@ -306,10 +392,16 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, tok: Tokenizer, dtype:
         w.add_chat_template(tok.chat_template)
 
 
+def keeps_f32(name: str, shape: tuple[int, ...]) -> bool:
+    """1-D tensors (norms, biases, gates), a delta net's conv kernel and a one-row shared-expert
+    gate stay F32, as llama.cpp's converter and quantizer keep them."""
+    return len(shape) == 1 or shape[0] == 1 or ".ssm_conv1d." in name
+
+
 def _storage_type(name: str, shape: tuple[int, ...], dtype: str) -> GGMLQuantizationType:
-    """1-D tensors (norms, biases, gates) stay F32; block quants need rows divisible by the block."""
+    """keeps_f32 tensors stay F32; block quants need rows divisible by the block."""
     qtype = WRITE_DTYPES[dtype]
-    if len(shape) == 1:
+    if keeps_f32(name, shape):
         return GGMLQuantizationType.F32
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if shape[-1] % block:
@@ -442,7 +534,20 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
         tie_embeddings=_tn(MODEL_TENSOR.OUTPUT) not in names,
         qkv_bias=_tn(MODEL_TENSOR.ATTN_Q, "bias", 0) in names,
         name=str(get(gguf.Keys.General.NAME, "")),
+        **_read_hybrid(get, k, n_embd // n_head),
     )
+
+
+def _read_hybrid(get, k, head_dim: int) -> dict:
+    """The linear-attention fields of a qwen35moe file (none for the other architectures)."""
+    if get(k(gguf.Keys.SSM.CONV_KERNEL)) is None:
+        return {}
+    rope = int(get(k(gguf.Keys.Rope.DIMENSION_COUNT), 0))
+    return dict(full_attention_interval=int(get(k(gguf.Keys.LLM.FULL_ATTENTION_INTERVAL), 4)),
+                linear_k_heads=int(get(k(gguf.Keys.SSM.GROUP_COUNT))),
+                linear_v_heads=int(get(k(gguf.Keys.SSM.TIME_STEP_RANK))),
+                linear_head_dim=int(get(k(gguf.Keys.SSM.STATE_SIZE))), conv_kernel=int(get(k(gguf.Keys.SSM.CONV_KERNEL))),
+                rope_dim=0 if rope == int(get(k(gguf.Keys.Attention.KEY_LENGTH), head_dim)) else rope)
 
 
 def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:

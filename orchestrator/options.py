@@ -446,12 +446,14 @@ class Setup:
     config: object             # orchestrator.speculative.SessionConfig
     notes: list[str]           # one line each, for the header and --json: no draft, pool placement
     pool_off_reason: str = ""  # empty when the pool is (to be) on
+    state_bytes: int = 0       # a hybrid model's recurrent states, every layer (placement.recurrent_states)
 
 
 def session_setup(opts: RunOptions) -> Setup:
     """SessionConfig and placement from the options; a bad file, device or budget is `fail`."""
     from orchestrator.llm import ModelError, check_gguf
-    from orchestrator.placement import GPU, PlacementError, first_gpu, model_sizes, place, place_several
+    from orchestrator.placement import (GPU, PlacementError, first_gpu, model_sizes, place, place_several,
+                                        recurrent_states)
     from orchestrator.native import engine_built
     from orchestrator.speculative import POOL_DRAFT, SessionConfig
 
@@ -493,30 +495,38 @@ def session_setup(opts: RunOptions) -> Setup:
         if not names and engine is not False and sizes.expert_bytes:
             # as llama.cpp: every GPU it sees takes layers (an RPC server's device counts as one)
             names = [name for name, kind, _, _ in devices() if kind == 1]
-    try:
-        if len(names) > 1:
-            if not sizes.expert_bytes or engine is False:
-                fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
-                     "give one device")
-            p = place_several(sizes, n_ctx, [seen[n] for n in names], [opts.expert_budget, *opts.extra_budgets],
-                              opts.n_gpu_layers, stream=opts.stream_prefill != "off")
-        else:
-            p = place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
-                      engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off")
-    except PlacementError as e:
-        fail(str(e))
+
+    def plan(states: int):
+        try:
+            if len(names) > 1:
+                if not sizes.expert_bytes or engine is False:
+                    fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
+                         "give one device")
+                return place_several(sizes, n_ctx, [seen[n] for n in names], [opts.expert_budget, *opts.extra_budgets],
+                                     opts.n_gpu_layers, stream=opts.stream_prefill != "off", states=states)
+            return place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
+                         engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off", states=states)
+        except PlacementError as e:
+            fail(str(e))
+
+    def pool_off(p) -> str:
+        if not sizes.expert_bytes:
+            return f"expert pool off: {model.name} is dense (no routed experts)"
+        if engine is False:
+            return "expert pool off (--no-engine)"
+        if not built:
+            return "expert pool off: this llama.cpp has no spac engine (scripts/build_native.py)"
+        return p.note if p.device is None else ""
+
+    # a hybrid's recurrent states: γ snapshots in the target's context when it speculates, two in a pool draft's
+    p = plan(recurrent_states(opts.draft_max if draft is not None else 0, draft == POOL_DRAFT))
+    off = pool_off(p)
+    if draft == POOL_DRAFT and off and sizes.state_bytes:  # no pool, no pool draft: the target's one state
+        p = plan(recurrent_states(0, False))
+        off = pool_off(p)
     if not p.stream_prefill and opts.stream_prefill in ("ahead", "used"):  # asked for: an error, not a note
         fail(f"--stream-prefill {opts.stream_prefill}: {p.stream_off} (a smaller --expert-budget makes room)")
     notes = [n for n in (draft_note,) if n]
-    off = ""
-    if not sizes.expert_bytes:
-        off = f"expert pool off: {model.name} is dense (no routed experts)"
-    elif engine is False:
-        off = "expert pool off (--no-engine)"
-    elif not built:
-        off = "expert pool off: this llama.cpp has no spac engine (scripts/build_native.py)"
-    elif p.device is None:
-        off = p.note
     notes.append(off or p.note)
     if draft == POOL_DRAFT and off:
         if opts.draft == "pool":
@@ -535,7 +545,7 @@ def session_setup(opts: RunOptions) -> Setup:
                         ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
                         mmap=opts.mmap)
-    return Setup(cfg, notes, off)
+    return Setup(cfg, notes, off, p.state_bytes)
 
 
 def open_session(opts: RunOptions):

@@ -13,6 +13,12 @@ a GPU the pool is off: the CPU pool (`--device CPU`) is a test device, slower th
 `--expert-budget`, `-ngl` and `--device` override. Several devices (`--device A,B`,
 `place_several`): llama.cpp's layer split gives each a range of layers, and each device's pool
 holds its own layers' experts, sized by the same rule per device.
+
+A hybrid model (qwen35moe, qwen3next: gated-delta-net layers with every 4th layer full
+attention) has a KV cache in its full-attention layers only and a recurrent state in the others,
+which llama.cpp puts with the layer, as it does the KV cache: the contexts hold
+`recurrent_states(γ, pool_draft)` states of `ModelSizes.state_bytes` each, and the note says
+how many bytes that is.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ class ModelSizes:
     n_layer: int
     expert_bytes: int          # every routed expert of every layer
     non_expert_bytes: int      # attention, router, norms, shared experts, embeddings, output head
-    kv_bytes_per_token: int    # F16 K and V over all layers
+    kv_bytes_per_token: int    # F16 K and V over the attention layers (a hybrid's full-attention layers)
     n_experts_total: int = 0   # n_layer_moe * n_expert (for the size of one expert)
     n_ctx_train: int = 0       # the GGUF's context_length
     staging_bytes: int = 0     # streamed prefill's staging slots: two layers of experts per slot group
+    state_bytes: int = 0       # one sequence's recurrent state over the recurrent layers (F32; 0: no such layer)
 
     @property
     def one_expert(self) -> int:
@@ -61,6 +68,7 @@ class Placement:
     stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
     extra_devices: tuple[PoolDevice, ...] = ()  # several devices (place_several): the others, in order
     tensor_split: tuple[float, ...] = ()         # several devices: llama.cpp's --tensor-split (their free memory)
+    state_bytes: int = 0   # the contexts' recurrent states over every layer (a hybrid; with the layers, device or host)
 
     @property
     def stream_prefill(self) -> bool:
@@ -83,37 +91,73 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def recurrent_states(gamma: int, pool_draft: bool) -> int:
+    """Recurrent states per layer that spac's contexts keep on a hybrid model (llm.Context): the
+    target's llama.cpp n_seq_max (1) × (1 + n_rs_seq), n_rs_seq = γ snapshots when speculating
+    (0 when not), and a pool draft's context n_seq_max 2 (a scratch sequence), n_rs_seq 0."""
+    return 1 + max(gamma, 0) + (2 if pool_draft else 0)
+
+
+def _per_layer(sizes: ModelSizes, n_ctx: int, states: int) -> float:
+    """Device bytes of one offloaded layer besides its experts, averaged over the layers: non-expert
+    weights, KV cache and recurrent states (llama.cpp allocates a layer's memory on its device)."""
+    held = sizes.non_expert_bytes + sizes.kv_bytes_per_token * n_ctx + sizes.state_bytes * states
+    return held / max(sizes.n_layer, 1)
+
+
+def _state_note(sizes: ModelSizes, states: int, n_layers: int, sep: str = ", ", where: str = "") -> str:
+    """sep + "recurrent state X MiB (N × Y MiB)" for n_layers of the model's layers; "" without one."""
+    if not sizes.state_bytes:
+        return ""
+    share = sizes.state_bytes * states * n_layers // max(sizes.n_layer, 1)
+    size = lambda n: _mib(n) if n >= 10 << 20 else f"{n / 2**20:.2f} MiB"  # noqa: E731 - tiny models
+    return f"{sep}recurrent state {size(share)}{where} ({states} × {size(sizes.state_bytes)})"
+
+
+def _held(sizes: ModelSizes) -> str:
+    return "weights, KV cache and recurrent state" if sizes.state_bytes else "weights and KV cache"
+
+
 def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, budget: Budget, ngl: str = "auto",
-          engine: bool | None = None, margin: int = MARGIN, stream: bool = True) -> Placement:
+          engine: bool | None = None, margin: int = MARGIN, stream: bool = True, states: int = 1) -> Placement:
     """The placement for these model sizes, this free GPU memory (gpu: the first GPU, None if
     there is none) and these options (device: --device; budget: --expert-budget; ngl: -ngl;
-    engine: --engine/--no-engine, None = on when possible; stream: --stream-prefill is not off).
+    engine: --engine/--no-engine, None = on when possible; stream: --stream-prefill is not off;
+    states: recurrent states per layer, `recurrent_states`, counted where sizes.state_bytes).
 
     On a GPU a streamed prefill's staging slots (sizes.staging_bytes) are set aside before the
     pool takes the rest; where they do not fit beside the pool the pool keeps the room and the
     prompt takes llama.cpp's prefill (stream_prefill False, said in the note)."""
     n_layer = max(sizes.n_layer, 1)
     want = _layers(ngl, n_layer)
+    total_state = sizes.state_bytes * states
     on_gpu = gpu if device is None or (gpu is not None and gpu.name == device) else None
+    if on_gpu is None:  # the layers stay on the host, or go to a device of unknown memory (RPC) with -ngl
+        remote = device is not None and device.upper() != "CPU" and want
+        host = _state_note(sizes, states, n_layer, "; ", "" if remote else " on the host")
     if on_gpu is None and device is not None:  # CPU (the test stand-in) or a device of unknown memory (RPC)
         name = "the CPU test device" if device.upper() == "CPU" else device
         if budget.nbytes > sizes.expert_bytes > 0:
             return Placement(device, want or 0, sizes.expert_bytes, 0.0, f"expert pool on {name}: every expert "
-                             f"(--expert-budget {_mib(budget.nbytes)} > {_mib(sizes.expert_bytes)} of experts)")
+                             f"(--expert-budget {_mib(budget.nbytes)} > {_mib(sizes.expert_bytes)} of experts){host}",
+                             state_bytes=total_state)
         return Placement(device, want or 0, budget.nbytes, budget.ratio or (0.0 if budget.nbytes else CPU_RATIO),
-                         f"expert pool on {name}, {budget.describe() if not budget.auto else f'{CPU_RATIO:.0%} of the experts'}")
+                         f"expert pool on {name}, {budget.describe() if not budget.auto else f'{CPU_RATIO:.0%} of the experts'}"
+                         f"{host}", state_bytes=total_state)
     if device is None and gpu is None:
         ngl_off = want or 0
         if engine:
             raise PlacementError("--engine: no GPU found for the expert pool (--device CPU runs it on the CPU test device)")
-        return Placement(None, ngl_off, 0, 0.0, "expert pool off: no GPU found (--device CPU runs it on the CPU test device)")
-    per_layer = (sizes.non_expert_bytes + sizes.kv_bytes_per_token * n_ctx) / n_layer
+        return Placement(None, ngl_off, 0, 0.0, "expert pool off: no GPU found (--device CPU runs it on the CPU test "
+                         f"device){host}", state_bytes=total_state)
+    per_layer = _per_layer(sizes, n_ctx, states)
     if want is None:  # auto: as many layers as fit, keeping the margin
         want = max(0, min(n_layer, int((on_gpu.free - margin) // per_layer))) if per_layer > 0 else n_layer
     used = per_layer * want
+    layers = f"{want}/{n_layer} layers on {on_gpu.name}{_state_note(sizes, states, want)}"
     if engine is False or not sizes.expert_bytes:
         why = "--no-engine" if sizes.expert_bytes else "the model has no routed experts"
-        return Placement(None, want, 0, 0.0, f"expert pool off ({why}); {want}/{n_layer} layers on {on_gpu.name}")
+        return Placement(None, want, 0, 0.0, f"expert pool off ({why}); {layers}", state_bytes=total_state)
     left = int(on_gpu.free - used - margin)
     staging = sizes.staging_bytes if stream else 0
 
@@ -124,25 +168,25 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
         elif staging:
             off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {on_gpu.name}"
             note += f"; streamed prefill off: {off} (--stream-prefill off silences this; a smaller --expert-budget makes room)"
-        return Placement(on_gpu.name, want, pool, 0.0, note, stream_off=off)
+        return Placement(on_gpu.name, want, pool, 0.0, note, stream_off=off, state_bytes=total_state)
 
     if not budget.auto:
         pool = budget.nbytes or int(budget.ratio * sizes.expert_bytes)
         if pool > left:
             raise PlacementError(f"--expert-budget {_mib(pool)} does not fit {on_gpu.name}: {_mib(max(left, 0))} free "
-                                 f"after {want} layers' weights and KV cache and a {_mib(margin)} margin")
+                                 f"after {want} layers' {_held(sizes)} and a {_mib(margin)} margin")
         pool = min(pool, sizes.expert_bytes)
-        return with_staging(pool, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(pool)}")
+        return with_staging(pool, f"{layers}, expert pool {_mib(pool)}")
     if left < max(sizes.one_expert * n_layer, 1):  # less than one slot per layer: not worth a pool
         if engine:
             raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
-                                 f"{_mib(used)} for {want} layers' weights and KV cache); lower -ngl or --ctx-size")
+                                 f"{_mib(used)} for {want} layers' {_held(sizes)}); lower -ngl or --ctx-size")
         return Placement(None, want, 0, 0.0, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
-                         f"({_mib(on_gpu.free)} free, {_mib(used)} for their weights and KV cache)")
+                         f"({_mib(on_gpu.free)} free, {_mib(used)} for their {_held(sizes)})", state_bytes=total_state)
     # the staging slots first, unless the pool would then drop below one slot per layer
     room = left - staging if left - staging >= sizes.one_expert * n_layer else left
     pool = min(room, sizes.expert_bytes)
-    return with_staging(pool, f"{want}/{n_layer} layers on {on_gpu.name}, expert pool {_mib(pool)} "
+    return with_staging(pool, f"{layers}, expert pool {_mib(pool)} "
                               f"({pool / sizes.expert_bytes:.0%} of the experts)")
 
 
@@ -163,7 +207,7 @@ def layer_split(n_layers: int, free: list[int]) -> list[int]:
 
 
 def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[Budget], ngl: str = "auto",
-                  margin: int = MARGIN, stream: bool = True) -> Placement:
+                  margin: int = MARGIN, stream: bool = True, states: int = 1) -> Placement:
     """The placement over several devices (--device A,B): llama.cpp's layer split puts the
     non-expert weights and KV cache of a contiguous range of layers on each device, in proportion
     to its free memory; each device's pool holds the experts of its own layers and takes the
@@ -175,7 +219,7 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
     if len(budgets) not in (1, len(gpus)):
         raise PlacementError(f"--expert-budget: {len(budgets)} values for {len(gpus)} devices (give one, or one per device)")
     budgets = budgets * len(gpus) if len(budgets) == 1 else budgets
-    per_layer = (sizes.non_expert_bytes + sizes.kv_bytes_per_token * n_ctx) / n_layer
+    per_layer = _per_layer(sizes, n_ctx, states)
     want = _layers(ngl, n_layer)
     if want is None:
         room = sum(max(g.free - margin, 0) for g in gpus)
@@ -195,12 +239,12 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
             pool = budget.nbytes or int(budget.ratio * experts)
             if pool > left:
                 raise PlacementError(f"--expert-budget {_mib(pool)} does not fit {gpu.name}: {_mib(max(left, 0))} free "
-                                     f"after {on_dev} layers' weights and KV cache and a {_mib(margin)} margin")
+                                     f"after {on_dev} layers' {_held(sizes)} and a {_mib(margin)} margin")
             nbytes, ratio = (min(budget.nbytes, experts), 0.0) if budget.nbytes else (0, budget.ratio)
         else:
             if left < max(sizes.one_expert * n, 1):
                 raise PlacementError(f"--device {gpu.name}: no room for an expert pool ({_mib(gpu.free)} free, "
-                                     f"{_mib(per_layer * on_dev)} for its {on_dev} layers' weights and KV cache)")
+                                     f"{_mib(per_layer * on_dev)} for its {on_dev} layers' {_held(sizes)})")
             room = left - staging if left - staging >= sizes.one_expert * n else left
             nbytes, ratio = min(room, experts), 0.0
         pool = nbytes or int(ratio * experts)
@@ -209,8 +253,11 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
         share = f"{pool / experts:.0%} of its experts" if experts else "no experts"
         lo = sum(counts[:i])
         out.append((PoolDevice(gpu.name, nbytes, ratio),
-                    f"{gpu.name}: layers {lo}..{lo + n - 1}, expert pool {_mib(pool)} ({share})"))
+                    f"{gpu.name}: layers {lo}..{lo + n - 1}{_state_note(sizes, states, on_dev)}, "
+                    f"expert pool {_mib(pool)} ({share})"))
     note = f"{want}/{n_layer} layers on {len(gpus)} devices; " + "; ".join(n for _, n in out)
+    if want < n_layer:
+        note += _state_note(sizes, states, n_layer - want, "; ", " on the host")
     if stream_off:
         note += f"; streamed prefill off: {stream_off}"
     elif staging:
@@ -219,7 +266,8 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
     # the free memory this rule split by is handed to llama.cpp as its --tensor-split, so that the
     # layers land where the budgets were sized, whatever the devices report at load time
     return Placement(head.name, want, head.budget_bytes, head.budget_ratio, note, stream_off,
-                     extra_devices=tuple(d for d, _ in out[1:]), tensor_split=tuple(float(g.free) for g in gpus))
+                     extra_devices=tuple(d for d, _ in out[1:]), tensor_split=tuple(float(g.free) for g in gpus),
+                     state_bytes=sizes.state_bytes * states)
 
 
 def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str],
@@ -266,11 +314,13 @@ def model_sizes(path: str | Path) -> ModelSizes:
     n_layer = int(get(k(gguf.Keys.LLM.BLOCK_COUNT), 1))
     n_head = int(get(k(gguf.Keys.Attention.HEAD_COUNT), 1) or 1)
     n_head_kv = get(k(gguf.Keys.Attention.HEAD_COUNT_KV), n_head)
-    n_head_kv = int(max(n_head_kv) if isinstance(n_head_kv, list) else n_head_kv)
     n_embd = int(get(k(gguf.Keys.LLM.EMBEDDING_LENGTH), 0))
     k_len = int(get(k(gguf.Keys.Attention.KEY_LENGTH), n_embd // n_head))
     v_len = int(get(k(gguf.Keys.Attention.VALUE_LENGTH), k_len))
     n_expert = int(get(k(gguf.Keys.LLM.EXPERT_COUNT), 0))
+    recurrent = _recurrent_layers(get, arch, n_layer)
+    heads = n_head_kv if isinstance(n_head_kv, list) else [n_head_kv] * n_layer
+    kv = sum(2 * int(h) * (k_len + v_len) for h, r in zip(heads, recurrent) if not r)  # F16: 2 bytes
     expert = sum(int(t.n_bytes) for t in r.tensors if _EXPERT_TENSOR in t.name + ".")
     other = sum(int(t.n_bytes) for t in r.tensors) - expert
     layers: dict[str, list] = {}  # MoE block -> its expert tensors
@@ -281,9 +331,42 @@ def model_sizes(path: str | Path) -> ModelSizes:
     # and a streamed prefill stages two layers of experts per group besides the pool
     groups = {tuple(sorted((t.name.split(".", 2)[2], t.tensor_type, tuple(t.shape)) for t in ts)):
               sum(int(t.n_bytes) for t in ts) for ts in layers.values()}
-    return ModelSizes(n_layer=n_layer, expert_bytes=expert, non_expert_bytes=other,
-                      kv_bytes_per_token=2 * n_layer * n_head_kv * (k_len + v_len), n_experts_total=len(layers) * n_expert,
-                      n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)), staging_bytes=2 * sum(groups.values()))
+    return ModelSizes(n_layer=n_layer, expert_bytes=expert, non_expert_bytes=other, kv_bytes_per_token=kv,
+                      n_experts_total=len(layers) * n_expert, n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)),
+                      staging_bytes=2 * sum(groups.values()), state_bytes=sum(recurrent) * _state_per_layer(get, arch))
+
+
+# hybrids whose layers are linear attention but every full_attention_interval-th (llama.cpp's
+# default 4), unless the file lists its recurrent layers (src/models/qwen35moe.cpp, qwen3next.cpp)
+INTERVAL_HYBRIDS = ("qwen3next", "qwen35", "qwen35moe")
+
+
+def _recurrent_layers(get, arch: str, n_layer: int) -> list[bool]:
+    """Which layers hold a recurrent state instead of a KV cache, as llama.cpp's hparams.is_recr:
+    `<arch>.attention.recurrent_layers` where the file has it, else every layer but each
+    full_attention_interval-th of a hybrid, and not the trailing MTP layers (nextn_predict_layers)."""
+    import gguf
+
+    flags = get(f"{arch}.attention.recurrent_layers", None)
+    if flags is not None:
+        return [bool(f) for f in flags][:n_layer] + [False] * max(0, n_layer - len(flags))
+    if arch not in INTERVAL_HYBRIDS:
+        return [False] * n_layer
+    every = int(get(gguf.Keys.LLM.FULL_ATTENTION_INTERVAL.format(arch=arch), 4) or 4)
+    n_main = n_layer - int(get(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch), 0))
+    return [i < n_main and (i + 1) % every != 0 for i in range(n_layer)]
+
+
+def _state_per_layer(get, arch: str) -> int:
+    """Bytes of one sequence's recurrent state in one recurrent layer: llama.cpp's hparams
+    n_embd_r() (the conv state: ssm_d_conv - 1 columns of the d_inner + 2 · n_group · d_state
+    channels) plus n_embd_s() (the delta-net / SSM state: d_state · d_inner), both F32."""
+    import gguf
+
+    ssm = lambda key, default=0: int(get(key.format(arch=arch), default) or 0)  # noqa: E731
+    d_conv, d_inner = ssm(gguf.Keys.SSM.CONV_KERNEL), ssm(gguf.Keys.SSM.INNER_SIZE)
+    d_state, n_group = ssm(gguf.Keys.SSM.STATE_SIZE), ssm(gguf.Keys.SSM.GROUP_COUNT)
+    return 4 * (max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state) + d_state * d_inner)
 
 
 def devices() -> list[tuple[str, int, int, int]]:

@@ -306,3 +306,86 @@ def test_device_and_budget_lists_parse():
                                  ("A,B", "1%,2%,3%", "3 values for 2 device")):
         with pytest.raises(typer.Exit):
             RunOptions.from_cli(device=device, expert_budget=budget)
+
+
+# ----------------------------------------------------------------------------- hybrid models
+
+# a Qwen3.6-35B-A3B-like Q4_K model: 40 layers, 30 of them gated delta nets (no KV cache), 10
+# full attention with 2 KV heads of 256; one sequence's recurrent state per delta-net layer:
+# conv 3 · (4096 + 2 · 16 · 128) + delta net 128 · 4096 floats
+STATE_PER_LAYER = 4 * (3 * (4096 + 2 * 16 * 128) + 128 * 4096)
+QWEN36 = ModelSizes(n_layer=40, expert_bytes=int(18.9 * GiB), non_expert_bytes=int(1.6 * GiB),
+                    kv_bytes_per_token=10 * 2 * 2 * 256 * 2, n_experts_total=40 * 256, n_ctx_train=262144,
+                    state_bytes=30 * STATE_PER_LAYER)
+
+
+def test_recurrent_states_are_the_contexts_llama_cpp_keeps():
+    """The target's context: 1 + γ snapshots (n_rs_seq = γ) when it speculates; a pool draft's: two sequences."""
+    from orchestrator.placement import recurrent_states
+
+    assert recurrent_states(8, True) == 11 and recurrent_states(8, False) == 9 and recurrent_states(0, False) == 1
+
+
+def test_a_hybrids_recurrent_state_comes_out_of_the_pool():
+    gpu = GPU("CUDA0", free=16 * GiB, total=16 * GiB)
+    plain = place(QWEN36, 4096, gpu, None, Budget())
+    p = place(QWEN36, 4096, gpu, None, Budget(), states=11)
+    assert p.pool_bytes == plain.pool_bytes - 10 * QWEN36.state_bytes == \
+        16 * GiB - QWEN36.non_expert_bytes - QWEN36.kv_bytes_per_token * 4096 - 11 * QWEN36.state_bytes - MARGIN
+    assert p.state_bytes == 11 * QWEN36.state_bytes
+    assert "40/40 layers on CUDA0, recurrent state 691 MiB (11 × 63 MiB), expert pool" in p.note
+    # partial offload: the host's layers keep their share; no GPU: all of it on the host
+    part = place(QWEN36, 4096, gpu, None, Budget(ratio=0.25), ngl="20", states=9)
+    assert "20/40 layers on CUDA0, recurrent state 283 MiB (9 × 63 MiB)" in part.note
+    assert "recurrent state 63 MiB on the host (1 × 63 MiB)" in place(QWEN36, 4096, None, None, Budget()).note
+    # a non-hybrid says nothing of it
+    assert "recurrent" not in place(QWEN, 4096, gpu, None, Budget(), states=11).note
+    # two devices: each counts the state of its own layers
+    two = place_several(QWEN36, 4096, [gpu, GPU("CUDA1", 24 * GiB, 24 * GiB)], [Budget()], states=9)
+    assert "CUDA0: layers 0..16, recurrent state 240 MiB" in two.note
+    assert "CUDA1: layers 17..39, recurrent state 325 MiB" in two.note
+
+
+def test_model_sizes_of_a_hybrid_count_kv_in_full_attention_layers_only(tmp_path):
+    """A tiny qwen35moe file: layers 0-2 gated delta nets, layer 3 full attention. Its KV cache
+    and recurrent state per sequence are what llama.cpp allocates (llama_kv_cache and
+    llama_memory_recurrent's sizes in its log, checked on spac's real qwen35moe and qwen3next files)."""
+    from orchestrator.gguf_export import make_random_model, tiny_config
+
+    cfg = tiny_config("qwen35moe")
+    s = model_sizes(make_random_model(tmp_path / "h.gguf", cfg))
+    assert s.kv_bytes_per_token == 1 * 2 * cfg.n_head_kv * cfg.head_dim * 2  # one layer's F16 K and V
+    d_inner = cfg.linear_v_heads * cfg.linear_head_dim
+    n_embd_r = (cfg.conv_kernel - 1) * (d_inner + 2 * cfg.linear_k_heads * cfg.linear_head_dim)
+    assert s.state_bytes == 3 * 4 * (n_embd_r + cfg.linear_head_dim * d_inner)
+    assert model_sizes(make_random_model(tmp_path / "q.gguf", tiny_config("qwen3moe"))).state_bytes == 0
+
+
+def test_recurrent_layer_flags_win_over_the_interval():
+    from orchestrator.placement import _recurrent_layers
+
+    keys = {"qwen35moe.attention.recurrent_layers": [True, False, True, True]}
+    assert _recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen35moe", 4) == [True, False, True, True]
+    keys = {"qwen3next.full_attention_interval": 2, "qwen3next.nextn_predict_layers": 1}
+    assert _recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen3next", 5) == [True, False, True, False, False]
+    assert _recurrent_layers(lambda k, d=None: d, "qwen3moe", 2) == [False, False]
+
+
+def test_dry_run_of_a_hybrid_counts_its_states(tmp_path, monkeypatch):
+    """Through the options, as `spac generate --dry-run`: the target's γ snapshots and the pool
+    draft's two states on the GPU; with the pool off (no GPU), no draft and one state."""
+    import orchestrator.placement as placement
+    from orchestrator.gguf_export import make_random_model, tiny_config
+    from orchestrator.options import session_setup
+
+    path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
+    s = model_sizes(path)
+    monkeypatch.setattr(placement, "first_gpu", lambda: GPU("CUDA0", 8 * GiB, 8 * GiB))
+    monkeypatch.setattr(placement, "devices", lambda: [("CUDA0", 1, 8 * GiB, 8 * GiB)])
+    setup = session_setup(RunOptions(model=path, ctx_size=512, draft_max=6))
+    assert setup.state_bytes == (1 + 6 + 2) * s.state_bytes and "recurrent state" in setup.notes[-1]
+    assert session_setup(RunOptions(model=path, ctx_size=512, draft="none")).state_bytes == s.state_bytes
+    monkeypatch.setattr(placement, "first_gpu", lambda: None)
+    monkeypatch.setattr(placement, "devices", lambda: [])
+    off = session_setup(RunOptions(model=path, ctx_size=512))
+    assert off.config.draft is None and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
