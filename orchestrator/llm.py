@@ -125,7 +125,7 @@ class Model:
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
                  verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = (),
-                 tensor_split: tuple[float, ...] = ()):
+                 tensor_split: tuple[float, ...] = (), mtp: bool = False):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
         them (llama.cpp's --device; default: every GPU it sees), tensor_split their shares of the
@@ -136,7 +136,9 @@ class Model:
         mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
         host buffers, which the GPU copies from several times faster than from a mapped file). The
         plain twins of repacked weights read the mapping, so without one a prompt runs the
-        repacked kernels (layout.n_plain_twins is 0)."""
+        repacked kernels (layout.n_plain_twins is 0).
+        mtp: also load the file's multi-token-prediction layers (llama.cpp's load_mtp), which only
+        an MTP draft runs (`orchestrator.mtp_draft`)."""
         global _load_errors
         from orchestrator import host_layout
 
@@ -159,6 +161,7 @@ class Model:
             params.tensor_split = self._split
         params.use_extra_bufts = self.layout.use_extra_bufts
         params.check_tensors = check_tensors
+        params.load_mtp = mtp
         if not mmap:
             params.load_mode = L.LLAMA_LOAD_MODE_NONE
         overrides = self.layout.overrides()
@@ -315,6 +318,9 @@ class Context:
         self._history = np.zeros(n_ctx, dtype=np.int32)  # the tokens at positions 0..: what a replay decodes
         self._last_run = 0  # tokens of the last llama_decode (its trailing ones have snapshots); 0: unknown
         self._fork_at: int | None = None
+        # called after each llama_decode with its first position and its number of tokens (an MTP
+        # draft reads the hidden states the decode exported)
+        self.after_decode: Callable[[int, int], None] | None = None
 
     def _set_seq(self, seq: int) -> None:
         self._seq = seq
@@ -346,6 +352,8 @@ class Context:
             self._last_run = n
             self.n_past += n
             self._n_out = n if logits_all else 1
+            if self.after_decode is not None:
+                self.after_decode(self.n_past - n, n)
 
     def logits(self) -> np.ndarray:
         """float32 [n_outputs, n_vocab] of the last decode: a view, valid until the next decode."""
@@ -383,12 +391,12 @@ class Context:
                 self._last_run = 0  # a snapshot is used once: the next trim needs the next decode's
                 return
         keep = self.n_past
-        self.n_replays += 1
         L.llama_memory_seq_rm(self.memory, self._seq, -1, -1)
         if self._seq == 0:
             L.llama_memory_clear(self.memory, True)
         self.n_past = 0
         if keep:
+            self.n_replays += 1
             self.decode(self._history[:keep].copy(), logits_all=False)
 
     def fork(self) -> None:

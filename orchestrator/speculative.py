@@ -40,6 +40,7 @@ import numpy as np
 from orchestrator.governor import Governor, GovernorConfig
 from orchestrator.llm import DEFAULT_REPACK, Context, Model, ModelError
 from orchestrator.metrics import RunMetrics, RunRecorder
+from orchestrator.mtp_draft import MTP_DRAFT, MtpDraft, require_mtp
 from orchestrator.native import DEFAULT_BUDGET_RATIO, PoolDevice, copies_block_compute
 from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
@@ -65,6 +66,7 @@ def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Polic
 # SessionConfig.draft: the target itself as the draft, a second context on the loaded model whose
 # MoE layers route only among the experts resident in the pool (no second model, no expert memory)
 POOL_DRAFT = "pool"
+# or MTP_DRAFT: the target's multi-token-prediction head (`orchestrator.mtp_draft`)
 
 
 @dataclass
@@ -154,12 +156,16 @@ class Session:
     def _open(self, cfg: SessionConfig) -> None:
         ab = cfg.ablations
         on_gpu = (cfg.device or "CPU").upper() != "CPU"  # CPU: the test device, a second host buffer
+        mtp = cfg.draft == MTP_DRAFT and not ab.no_sd
         self.target = self._model(cfg.model, cfg.n_gpu_layers,
                                   devices=tuple(d.name for d in cfg.pool_devices()) if on_gpu else (),
-                                  tensor_split=cfg.tensor_split if on_gpu else ())
+                                  tensor_split=cfg.tensor_split if on_gpu else (), mtp=mtp)
         pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
         if pool_draft:
             self.draft = self.target if self.target.n_expert and cfg.engine is not False else None
+        elif mtp:  # the head is the target's: its model, its vocabulary
+            require_mtp(self.target)
+            self.draft = self.target
         elif cfg.draft is not None and not ab.no_sd:
             self.draft = self._model(cfg.draft, cfg.n_gpu_layers_draft)
             check_vocab(self.target, self.draft)
@@ -174,7 +180,10 @@ class Session:
             self._drop_draft()
             self.gamma_note = (f"γ=0: the {self.target.arch} recurrent state of {self.target.path.name} "
                                "cannot be rolled back (llama.cpp keeps no snapshots of it)")
-        if self.draft is not None:  # a pool draft's compute buffers: sized for drafting, not prefill
+        if mtp and self.draft is not None:
+            self.draft_ctx = MtpDraft(self.target, self.ctx, n_batch, cfg.n_threads)
+            self._contexts.append(self.draft_ctx)
+        elif self.draft is not None:  # a pool draft's compute buffers: sized for drafting, not prefill
             self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch if self.draft is not self.target
                                            else max(cfg.gamma + 1, 16), cfg.n_threads, forks=True)
         self.mode = "speculative" if self.draft is not None else "autoregressive"
@@ -188,10 +197,11 @@ class Session:
         if pool_draft and self.engine is None:  # no pool, no pool draft: decode autoregressively
             self._drop_draft()
 
-    def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = ()) -> Model:
+    def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
+               mtp: bool = False) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
                   verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap, devices=devices,
-                  tensor_split=tensor_split)
+                  tensor_split=tensor_split, mtp=mtp)
         self._models.append(m)
         return m
 
@@ -237,7 +247,7 @@ class Session:
                 raise
             self.engine_note = f"expert engine off: {e}"
             return
-        if self.draft is self.target:
+        if self.draft is self.target and not isinstance(self.draft_ctx, MtpDraft):
             self.engine.attach_draft(self.draft_ctx.ptr)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self._open_draft_routing(Routing)
@@ -283,7 +293,8 @@ class Session:
         """An MoE draft with the target's experts (the quantised self-draft) routes the tokens it
         drafts: export that routing too, a lookahead for the next verify pass."""
         d, t = self.draft, self.target
-        if d is None or self.draft_ctx is None or d.n_expert != t.n_expert:
+        # an MTP head's MoE layer is its own, not one of the target's: no lookahead from it
+        if d is None or self.draft_ctx is None or d.n_expert != t.n_expert or isinstance(self.draft_ctx, MtpDraft):
             return
         key = "{}.expert_used_count"
         if d.meta(key.format(d.arch)) != t.meta(key.format(t.arch)):
@@ -560,7 +571,8 @@ class Session:
         cached = self.ctx.n_past
         # the draft first: the target decodes next, and its weights should be the ones in the cache
         dctx = self.draft_ctx
-        if dctx is not None and dctx.n_past < len(prompt) - 1:
+        # (an MTP head reads the target's hidden states of the prompt: it catches up in the first step)
+        if dctx is not None and dctx.n_past < len(prompt) - 1 and not isinstance(dctx, MtpDraft):
             dctx.decode(prompt[dctx.n_past:-1], logits_all=False)
         self.ctx.decode(prompt[self.ctx.n_past:], logits_all=False)
         row = self.ctx.logits()[-1]
