@@ -86,7 +86,7 @@ def _describe(session, setup) -> str:
     """The header: models, γ, placement, ablations — one line."""
     parts = [session.target.path.name]
     if session.draft is not None:
-        name = "pool" if session.draft is session.target else session.draft.path.name
+        name = session.cfg.draft if session.draft is session.target else session.draft.path.name  # pool, mtp
         parts.append(f"draft {name}, γ={session.gamma}")
     else:
         parts.append("autoregressive")
@@ -221,7 +221,7 @@ def generate(
             # tokens: the generated ids, as llama-server's /completion returns them (`return_tokens`);
             # random weights decode to text that hides what was generated
             out = {"text": session.last_text, "tokens": session.last_tokens, "model": str(session.target.path),
-                   "draft": (None if session.draft is None else "pool" if session.draft is session.target
+                   "draft": (None if session.draft is None else session.cfg.draft if session.draft is session.target
                              else str(session.draft.path)),
                    "engine": session.engine is not None, **_run_info(session, setup, opts), **m.to_dict()}
             _write(json.dumps(out) + "\n")

@@ -121,6 +121,10 @@ def _bind():
         "routing_get": fn("spac_routing_get", c_int32, ctx_p, POINTER(c_void_p), POINTER(c_void_p)),
         "routing_get_unmasked": fn("spac_routing_get_unmasked", c_int32, ctx_p, POINTER(c_void_p)),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
+        # the MTP draft (orchestrator.mtp_draft): llama.cpp's nextn hidden states (patch 0020)
+        "set_embeddings_nextn": fn("spac_set_embeddings_nextn", None, ctx_p, c_bool, c_bool),
+        "get_embeddings_nextn": fn("spac_get_embeddings_nextn", c_void_p, ctx_p),
+        "get_embeddings_nextn_ith": fn("spac_get_embeddings_nextn_ith", c_void_p, ctx_p, c_int32),
         "graph_n_splits": fn("spac_graph_n_splits", c_int32, ctx_p),
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
         "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),

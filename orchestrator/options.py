@@ -178,7 +178,8 @@ OPTIONS: dict[str, _Opt] = {
         show_default=False)),
     "draft": _Opt("model", Optional[str], None, typer.Option(
         "--draft", help="pool: the target itself drafts, routed only to the experts in the device pool (costs its "
-        "KV cache only); none: no speculation \\[default: -md, else the shipped draft of the shipped target, "
+        "KV cache only); mtp: the target's multi-token-prediction head (Qwen3.5/3.6-MoE, Qwen3-Next files "
+        "converted with it); none: no speculation \\[default: -md, else the shipped draft of the shipped target, "
         "else pool when the expert pool is on]", show_default=False)),
     "draft_max": _Opt("model", int, 8, typer.Option(
         "--spec-draft-n-max", "--draft-max",
@@ -244,7 +245,7 @@ class RunOptions:
 
     model: Path | None = None
     model_draft: Path | None = None
-    draft: str | None = None     # None (auto), "pool" or "none"
+    draft: str | None = None     # None (auto), "pool", "mtp" or "none"
     draft_max: int = 8
     expert_budget: Budget = Budget()
     device: str | None = None
@@ -283,10 +284,10 @@ class RunOptions:
             fail(f"--spec-draft-n-max (--draft-max) must be >= 0 (0: no draft), got {v['draft_max']}")
         if v["draft"] is not None:
             v["draft"] = v["draft"].strip().lower()
-            if v["draft"] not in ("pool", "none"):
-                fail(f"--draft must be pool or none (or -md FILE for a draft model), got {v['draft']!r}")
-            if v["draft"] == "pool" and v["model_draft"] is not None:
-                fail("--draft pool and -md/--model-draft are exclusive: the pool draft is the target itself")
+            if v["draft"] not in ("pool", "mtp", "none"):
+                fail(f"--draft must be pool, mtp or none (or -md FILE for a draft model), got {v['draft']!r}")
+            if v["draft"] in ("pool", "mtp") and v["model_draft"] is not None:
+                fail(f"--draft {v['draft']} and -md/--model-draft are exclusive: the {v['draft']} draft is the target's own")
         v["repack"] = str(v["repack"]).strip().lower()
         if v["repack"] not in ("auto", "on", "off"):
             fail(f"--repack must be auto, on or off, got {v['repack']!r}")
@@ -413,13 +414,13 @@ def _is_shipped_target(path: Path, target: Path) -> bool:
 def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
     """(target, draft, note): -m/-md, else the shipped models, else the pool draft (POOL_DRAFT,
     dropped by session_setup when the pool is off); note says why there is no draft."""
-    from orchestrator.speculative import POOL_DRAFT
+    from orchestrator.speculative import MTP_DRAFT, POOL_DRAFT
 
     model, draft = opts.model, opts.model_draft
     shipped_target, shipped_draft = default_models()
     note = ""
-    if opts.draft == "pool":
-        draft = POOL_DRAFT
+    if opts.draft in ("pool", "mtp"):
+        draft = POOL_DRAFT if opts.draft == "pool" else MTP_DRAFT
     if model is None:
         if shipped_target is None:
             fail("no model given (-m) and no shipped default models (orchestrator/models/MANIFEST.json is missing)")
@@ -455,11 +456,11 @@ def session_setup(opts: RunOptions) -> Setup:
     from orchestrator.placement import (GPU, PlacementError, first_gpu, model_sizes, place, place_several,
                                         recurrent_states)
     from orchestrator.native import engine_built
-    from orchestrator.speculative import POOL_DRAFT, SessionConfig
+    from orchestrator.speculative import MTP_DRAFT, POOL_DRAFT, SessionConfig
 
     model, draft, draft_note = resolve_models(opts)
     for path in (model, draft):
-        if path is not None and path != POOL_DRAFT:
+        if path is not None and path not in (POOL_DRAFT, MTP_DRAFT):
             try:
                 check_gguf(path)
             except ModelError as e:

@@ -101,6 +101,11 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3next": ("Qwen3NextConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT,
                                           head_dim=64, shared_expert_intermediate_size=N_FF_EXP,
                                           norm_topk_prob=True, **HYBRID)),
+    # Qwen3.5/3.6-MoE with one multi-token-prediction layer (the MTP draft): transformers' class
+    # makes no MTP weights, so random `mtp.*` tensors are added to the checkpoint (`add_mtp_weights`)
+    "qwen35moe-mtp": ("Qwen3_5MoeTextConfig", dict(moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT, head_dim=64,
+                                                   shared_expert_intermediate_size=N_FF_EXP, mtp_num_hidden_layers=1,
+                                                   **HYBRID)),
 }
 # converter flags per architecture: the hybrids' tiny configs have no MTP layers to convert
 CONVERT_FLAGS = {"qwen35moe": ["--no-mtp"], "qwen3next": ["--no-mtp"]}
@@ -198,7 +203,34 @@ def make_hf_model(arch: str, out: Path, n_vocab: int, eos_id: int, pad_id: int):
             if name.endswith(("gate.weight", "router.weight", "lm_head.weight")) and p.dim() == 2:
                 p.normal_(0.0, 0.5 if "lm_head" not in name else 0.2)
     model.save_pretrained(out, safe_serialization=True)
+    if extra.get("mtp_num_hidden_layers"):
+        add_mtp_weights(out, model)
     return model
+
+
+def add_mtp_weights(out: Path, model) -> None:
+    """A random MTP block in the saved checkpoint, under the names of Qwen3.5's own checkpoints
+    (what the converter's _QwenMtpMixin remaps to blk.<n_layer>.nextn.*): `mtp.layers.0.*` a
+    full-attention MoE decoder layer shaped as the model's last one, `mtp.fc` the projection of
+    [token embedding, hidden state], its two input norms and the output norm. Seeded, and drawn
+    after the model's own weights, which it leaves as they were."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    last = model.config.num_hidden_layers - 1
+    prefix = f"model.layers.{last}."
+    n = model.config.hidden_size
+    gen = torch.Generator().manual_seed(SEED + 1)
+    for name, t in list(tensors.items()):
+        if name.startswith(prefix):
+            noise = torch.randn(t.shape, generator=gen) * (float(t.std()) if t.numel() > 1 else 0.0)
+            tensors["mtp.layers.0." + name[len(prefix):]] = (t + noise).contiguous()
+    tensors["mtp.fc.weight"] = torch.randn((n, 2 * n), generator=gen) * 0.05
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(n)  # Qwen3.5's norms store weight - 1
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def reference(model, tokenizer) -> list[dict]:
