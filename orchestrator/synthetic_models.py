@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.gguf_export import ModelConfig, tensor_shapes
+from orchestrator.gguf_export import SSM_A, ModelConfig, keeps_f32, ssm_a, tensor_shapes
 
 # Dimensions from the models' published configs.
 PRESETS: dict[str, ModelConfig] = {
@@ -29,6 +29,14 @@ PRESETS: dict[str, ModelConfig] = {
         arch="qwen3moe", n_vocab=32000, n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, head_dim=128,
         n_ff=14336, n_expert=8, n_expert_used=2, n_ff_exp=14336, n_ctx_train=32768, rope_freq_base=1e6,
         rms_norm_eps=1e-5, name="synthetic-Mixtral-8x7B"),
+    # Qwen3.6-35B-A3B (Qwen3.5-MoE's architecture): three gated-delta-net layers (16 key and 32
+    # value heads of 128, conv kernel 4) to one full-attention layer (16 query heads with an output
+    # gate, 2 KV heads of 256, rope on a quarter of each head), 256 experts top-8 and a shared expert
+    "qwen3.6-35b-a3b": ModelConfig(
+        arch="qwen35moe", n_vocab=248320, n_embd=2048, n_layer=40, n_head=16, n_head_kv=2, head_dim=256,
+        n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, n_ctx_train=262144, rope_freq_base=1e7,
+        rms_norm_eps=1e-6, full_attention_interval=4, linear_k_heads=16, linear_v_heads=32, linear_head_dim=128,
+        conv_kernel=4, rope_dim=64, name="synthetic-Qwen3.6-35B-A3B"),
 }
 
 Q4_0_BLOCK = 32
@@ -60,12 +68,18 @@ def random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator, ze
 
 
 def synthetic_tensors(cfg: ModelConfig, seed: int, zero_mean: bool = False) -> dict:
-    """Random Q4_0 weights (norms 1) of a preset's shape, as callables; zero_mean: see random_q4_0."""
+    """Random Q4_0 weights (norms 1) of a preset's shape, as callables; zero_mean: see random_q4_0.
+    The tensors a file keeps in F32 besides the norms (a delta net's conv kernel, a one-row
+    shared-expert gate) are zero-mean normal floats, a delta net's decay rates negative."""
     def make(name: str, shape: tuple[int, ...], i: int):
         def f():
+            rng = np.random.default_rng([seed, i])
+            if name.endswith(SSM_A):
+                return ssm_a(rng, shape)
             if len(shape) == 1:
                 return np.ones(shape, np.float32)
-            rng = np.random.default_rng([seed, i])
+            if keeps_f32(name, shape):
+                return (shape[-1] ** -0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
             return random_q4_0(shape, shape[-1] ** -0.5 if "token_embd" not in name else 1.0, rng, zero_mean)
         return f
     return {n: make(n, s, i) for i, (n, s) in enumerate(tensor_shapes(cfg).items())}

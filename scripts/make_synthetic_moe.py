@@ -4,9 +4,12 @@ dimensions of named models, written tensor by tensor (never the whole model in R
     python scripts/make_synthetic_moe.py olmoe-1b-7b runs/synth/olmoe-q4_0.gguf
     python scripts/make_synthetic_moe.py qwen3-30b-a3b runs/synth/qwen3-30b-4l.gguf --n-layer 4
     python scripts/make_synthetic_moe.py olmoe-1b-7b out.gguf --check   # then load it, generate, report peak RSS
+    python scripts/make_synthetic_moe.py qwen3.6-35b-a3b runs/synth/qwen36-4l.gguf --n-layer 4   # a hybrid:
+        # gated-delta-net layers (a recurrent state, no KV cache) and every 4th layer full attention
 
 Weights are random 4-bit blocks of mean zero (per-block scale giving std 1/sqrt(fan_in)), norms
-are ones: the numbers mean nothing, the shapes, sizes and kernels are the real ones, and so is the
+are ones (a delta net's decay rates negative, its conv kernel F32 floats, as the converter keeps
+it): the numbers mean nothing, the shapes, sizes and kernels are the real ones, and so is the
 spread of a prompt's routing over the experts. --uniform-nibbles writes the earlier files, whose
 weights have mean -0.5 scale: from the second MoE layer on every token of a prompt picks the same
 experts (a prefill then multiplies 8 experts by every token instead of all of them by a few).

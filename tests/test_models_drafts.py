@@ -115,6 +115,16 @@ def test_presets_have_the_real_sizes():
 
     assert 6.8e9 < n_params(PRESETS["olmoe-1b-7b"]) < 7.0e9
     assert 30.0e9 < n_params(PRESETS["qwen3-30b-a3b"]) < 31.0e9
+    # the hybrid: the simulator's profile of the same model (which leaves out norms and biases)
+    from orchestrator.sim.profiles import model
+
+    hybrid = PRESETS["qwen3.6-35b-a3b"]
+    assert n_params(hybrid) == pytest.approx(model("qwen3.6-35b-a3b").params, rel=1e-4)
+    assert [hybrid.is_recurrent(i) for i in range(8)] == [True, True, True, False] * 2
+    shapes = tensor_shapes(hybrid)
+    assert shapes["blk.0.attn_qkv.weight"] == (8192, 2048) and shapes["blk.0.ssm_conv1d.weight"] == (8192, 4)
+    assert shapes["blk.3.attn_q.weight"] == (2 * 16 * 256, 2048) and shapes["blk.3.attn_k.weight"] == (512, 2048)
+    assert shapes["blk.0.ffn_down_exps.weight"] == (256, 2048, 512) and "blk.0.attn_q.weight" not in shapes
 
 
 @needs_llama
@@ -124,4 +134,21 @@ def test_synthetic_q4_0_loads_and_generates(tmp_path):
                       byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
     assert {t.tensor_type for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1} == {
         gguf.GGMLQuantizationType.Q4_0}
+    assert np.isfinite(logits(path)).all()
+
+
+@needs_llama
+def test_synthetic_hybrid_loads_and_generates(tmp_path):
+    """The qwen35moe preset's writer on a small shape: Q4_0 weights, the conv kernel and the one-row
+    shared-expert gate F32, the decay rates negative; llama.cpp decodes it to finite logits."""
+    cfg = replace(PRESETS["qwen3.6-35b-a3b"], n_vocab=512, n_embd=128, n_layer=4, n_head=2, n_head_kv=1,
+                  head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64, linear_k_heads=2,
+                  linear_v_heads=4, linear_head_dim=32, rope_dim=16)
+    path = write_gguf(tmp_path / "h.gguf", cfg, synthetic_tensors(cfg, seed=0, zero_mean=True),
+                      byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
+    r = gguf.GGUFReader(path)
+    f32 = {t.name for t in r.tensors if len(t.shape) > 1 and t.tensor_type == gguf.GGMLQuantizationType.F32}
+    assert f32 == {f"blk.{i}.ffn_gate_inp_shexp.weight" for i in range(4)} | {
+        f"blk.{i}.ssm_conv1d.weight" for i in range(3)}
+    assert (np.asarray(next(t for t in r.tensors if t.name == "blk.0.ssm_a").data) < 0).all()
     assert np.isfinite(logits(path)).all()
