@@ -2,14 +2,18 @@
 without speculative decoding) on the datasheet profiles of orchestrator/profiles/hardware.toml,
 at the expert-pool budget each card leaves.
 
-    .venv/bin/python bench/sim_gpu_projection.py [--steps 300] [--validation rows.json]
+    .venv/bin/python bench/sim_gpu_projection.py [--steps 300] [--validation rows.json] [--model KEY ...]
 
 Setting: synthetic routing traces of each model family (`spac sim families`), a per-token
 acceptance of 0.75 and the best γ of 1, 2, 4, 8 for the speculative rows (spac's governor picks
 γ live; the simulator replays a fixed one) (the draft: Qwen3-0.6B at Q8_0, dense, so
 no lookahead routing), the target at Q4_K (gpt-oss at MXFP4, its release format), 4096 tokens
 of KV cache. The pool is what the card's memory leaves after the non-expert weights, the draft,
-the KV caches and a 1 GiB margin (as `spac` places it), capped at every expert.
+the KV caches and a 1 GiB margin (as `spac` places it), capped at every expert. The hybrid
+Qwen3.6-35B-A3B has KV in its 10 full-attention blocks only and a recurrent state in the other
+30 (63 MiB per sequence), 1 + γ of them in memory when speculating (llama.cpp's snapshots for
+rollback), each pass reading the state and writing a snapshot per token; Qwen3-0.6B stands in
+for its draft's cost, as it does for gpt-oss (neither shares that tokenizer).
 - llama.cpp --n-cpu-moe: the `static` policy (whole layers on the device, the first ones' experts
   on the host); a crossing only in the layers with host experts.
 - spac: the default policy with host compute on miss (`spac/host`, what the engine runs); the
@@ -34,7 +38,7 @@ from orchestrator.sim.simulator import SimConfig, Simulator
 from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, synthesize_trace
 
 CARDS = ("rtx4090", "rtx4060")
-MODELS = {"qwen3-30b-a3b": "Q4_K", "gpt-oss-20b": "MXFP4"}
+MODELS = {"qwen3-30b-a3b": "Q4_K", "gpt-oss-20b": "MXFP4", "qwen3.6-35b-a3b": "Q4_K"}
 # --multi-card: one RTX 3090 against two (layer split), both in this machine or the second in
 # another one over the network (ggml RPC), on models too big for either
 MULTI_CARDS = ("rtx3090", "2x-rtx3090", "rtx3090-remote-25gbe", "rtx3090-remote-10gbe")
@@ -77,7 +81,7 @@ def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, 
                                  acceptance=0.75, draft_fidelity=None, seed=seed, name=f"synthetic {m.name}",
                                  layer_index=m.layer_index)
     config = SimConfig(hardware=card, model=model, draft=DRAFT if speculative else None, quant=quant,
-                       draft_quant=DRAFT_QUANT)
+                       draft_quant=DRAFT_QUANT, snapshots=gamma)  # a hybrid's n_rs_seq: --draft-max γ
     config = replace(config, capacity=capacity(config))
     costs = config.costs()
     if policy != "static":  # spac's engine: a crossing in every split layer, the zero slot on the device
@@ -97,8 +101,14 @@ def main() -> None:
     ap.add_argument("--multi-card", action="store_true",
                     help="one RTX 3090 against two (x8 each, or the second in another PC over 25 or 10 GbE), on "
                     "Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
+    ap.add_argument("--model", action="append", help="only this model profile's rows (repeatable)")
     args = ap.parse_args()
     cards, models = (MULTI_CARDS, MULTI_MODELS) if args.multi_card else (CARDS, MODELS)
+    if args.model:
+        unknown = set(args.model) - set(models)
+        if unknown:
+            ap.error(f"--model: not in this table: {', '.join(sorted(unknown))} (known: {', '.join(models)})")
+        models = {k: v for k, v in models.items() if k in args.model}
 
     note = ""
     if args.validation:

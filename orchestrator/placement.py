@@ -318,7 +318,7 @@ def model_sizes(path: str | Path) -> ModelSizes:
     k_len = int(get(k(gguf.Keys.Attention.KEY_LENGTH), n_embd // n_head))
     v_len = int(get(k(gguf.Keys.Attention.VALUE_LENGTH), k_len))
     n_expert = int(get(k(gguf.Keys.LLM.EXPERT_COUNT), 0))
-    recurrent = _recurrent_layers(get, arch, n_layer)
+    recurrent = recurrent_layers(get, arch, n_layer)
     heads = n_head_kv if isinstance(n_head_kv, list) else [n_head_kv] * n_layer
     kv = sum(2 * int(h) * (k_len + v_len) for h, r in zip(heads, recurrent) if not r)  # F16: 2 bytes
     expert = sum(int(t.n_bytes) for t in r.tensors if _EXPERT_TENSOR in t.name + ".")
@@ -333,7 +333,7 @@ def model_sizes(path: str | Path) -> ModelSizes:
               sum(int(t.n_bytes) for t in ts) for ts in layers.values()}
     return ModelSizes(n_layer=n_layer, expert_bytes=expert, non_expert_bytes=other, kv_bytes_per_token=kv,
                       n_experts_total=len(layers) * n_expert, n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)),
-                      staging_bytes=2 * sum(groups.values()), state_bytes=sum(recurrent) * _state_per_layer(get, arch))
+                      staging_bytes=2 * sum(groups.values()), state_bytes=sum(recurrent) * state_per_layer(get, arch))
 
 
 # hybrids whose layers are linear attention but every full_attention_interval-th (llama.cpp's
@@ -341,7 +341,7 @@ def model_sizes(path: str | Path) -> ModelSizes:
 INTERVAL_HYBRIDS = ("qwen3next", "qwen35", "qwen35moe")
 
 
-def _recurrent_layers(get, arch: str, n_layer: int) -> list[bool]:
+def recurrent_layers(get, arch: str, n_layer: int) -> list[bool]:
     """Which layers hold a recurrent state instead of a KV cache, as llama.cpp's hparams.is_recr:
     `<arch>.attention.recurrent_layers` where the file has it, else every layer but each
     full_attention_interval-th of a hybrid, and not the trailing MTP layers (nextn_predict_layers)."""
@@ -357,7 +357,7 @@ def _recurrent_layers(get, arch: str, n_layer: int) -> list[bool]:
     return [i < n_main and (i + 1) % every != 0 for i in range(n_layer)]
 
 
-def _state_per_layer(get, arch: str) -> int:
+def state_per_layer(get, arch: str) -> int:
     """Bytes of one sequence's recurrent state in one recurrent layer: llama.cpp's hparams
     n_embd_r() (the conv state: ssm_d_conv - 1 columns of the d_inner + 2 · n_group · d_state
     channels) plus n_embd_s() (the delta-net / SSM state: d_state · d_inner), both F32."""

@@ -362,13 +362,13 @@ def test_model_sizes_of_a_hybrid_count_kv_in_full_attention_layers_only(tmp_path
 
 
 def test_recurrent_layer_flags_win_over_the_interval():
-    from orchestrator.placement import _recurrent_layers
+    from orchestrator.placement import recurrent_layers
 
     keys = {"qwen35moe.attention.recurrent_layers": [True, False, True, True]}
-    assert _recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen35moe", 4) == [True, False, True, True]
+    assert recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen35moe", 4) == [True, False, True, True]
     keys = {"qwen3next.full_attention_interval": 2, "qwen3next.nextn_predict_layers": 1}
-    assert _recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen3next", 5) == [True, False, True, False, False]
-    assert _recurrent_layers(lambda k, d=None: d, "qwen3moe", 2) == [False, False]
+    assert recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen3next", 5) == [True, False, True, False, False]
+    assert recurrent_layers(lambda k, d=None: d, "qwen3moe", 2) == [False, False]
 
 
 def test_dry_run_of_a_hybrid_counts_its_states(tmp_path, monkeypatch):

@@ -201,3 +201,60 @@ def test_a_card_in_another_machine_pays_the_network():
         r = Simulator(trace, config).run(make_policy("spac/host"))
         tok_s[key] = r.tokens / r.time_s
     assert tok_s["rtx3090-remote-10gbe"] < tok_s["rtx3090-remote-25gbe"] < tok_s["2x-rtx3090"], tok_s
+
+
+def test_a_hybrid_keeps_kv_in_its_full_attention_blocks_and_a_state_in_the_others():
+    """Qwen3.6-35B-A3B: 30 gated-delta-net blocks beside 10 full-attention ones. KV only in the
+    10; in memory 1 + n_rs_seq recurrent states (snapshots = γ: spac's target context when it
+    speculates); every pass reads each state once and writes a snapshot per token (3 state bytes
+    each with its copy into the cache), charged to the non-expert part of the MoE blocks."""
+    from dataclasses import replace
+
+    m = model("qwen3.6-35b-a3b")
+    assert m.n_layer == 40 and m.n_expert == 256 and m.top_k == 8 and m.recurrent_blocks == 30
+    assert m.params == pytest.approx(34.7e9, rel=0.01)
+    assert m.kv_bytes_per_token == 10 * 2 * 2 * 256 * 2
+    assert m.state_bytes == 30 * 4 * (3 * (32 * 128 + 2 * 16 * 128) + 128 * 32 * 128)
+    hw = hardware("rtx4060")
+    plain = replace(m, recurrent_blocks=0, state_bytes=0)
+    c0, c8, cp = CostModel.build(hw, m), CostModel.build(hw, m, snapshots=8), CostModel.build(hw, plain)
+    assert c0.static_bytes == cp.static_bytes + m.state_bytes and c8.static_bytes == cp.static_bytes + 9 * m.state_bytes
+    per_block = m.state_bytes / 40
+    assert c0.dense_layer_s == pytest.approx(cp.dense_layer_s + per_block / hw.gpu_bw)
+    assert c0.dense_layer_time(9) - c0.dense_layer_time(1) == pytest.approx(8 * 3 * per_block / hw.gpu_bw)
+    assert cp.dense_layer_token_s == 0.0  # the other models' costs are as before
+    # the simulator's memory: the pool that fits shrinks by the snapshots
+    assert SimConfig(hardware="rtx4060", model=m.key, snapshots=8).costs().static_bytes == \
+        CostModel.build(hw, m, model("qwen3-4b"), snapshots=8).static_bytes
+
+
+def test_a_hybrid_profile_from_its_gguf(tmp_path):
+    """A qwen35moe file's profile counts its KV and recurrent state as the placement does."""
+    from orchestrator.gguf_export import make_random_model, tiny_config
+    from orchestrator.placement import model_sizes
+    from orchestrator.sim.profiles import from_gguf
+
+    path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
+    p, _ = from_gguf(path)
+    s = model_sizes(path)
+    assert p.recurrent_blocks == 3 and p.state_bytes == s.state_bytes > 0
+    assert p.kv_bytes_per_token == s.kv_bytes_per_token
+    assert from_gguf(make_random_model(tmp_path / "q.gguf", tiny_config("qwen3moe")))[0].state_bytes == 0
+
+
+def test_the_gpu_projection_has_the_hybrid_rows():
+    """bench/sim_gpu_projection.py: Qwen3.6-35B-A3B beside the earlier models, its pool on a card
+    sized after 1 + γ recurrent states (the target's snapshots when it speculates at γ)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "sim_gpu_projection.py"
+    spec = importlib.util.spec_from_file_location("sim_gpu_projection", path)
+    proj = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proj)
+    assert list(proj.MODELS) == ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.6-35b-a3b"]
+    m = model("qwen3.6-35b-a3b")
+    cap = {g: proj.capacity(SimConfig(hardware="rtx4060", model=m.key, draft=None, snapshots=g)) for g in (0, 8)}
+    assert cap[0] - cap[8] == pytest.approx(8 * m.state_bytes / m.expert_bytes("Q4_K"), abs=1)
+    r = proj.row("rtx4060", m.key, "Q4_K", 2, "spac/host", steps=30, seed=0)
+    assert r["tok_s"] > 0 and 0 < r["share"] < 1 and r["gamma"] == 2

@@ -75,8 +75,10 @@ def _config(hardware, model, draft, ratio, visibility, quant="Q4_K", trace: Trac
         except (ValueError, OSError, KeyError) as e:
             raise typer.BadParameter(f"{draft}: {e}", param_hint="--draft") from None
         draft = profiles.register(profile)
+    # a hybrid target keeps a recurrent-state snapshot per draft token of a verify pass (n_rs_seq = γ)
+    snapshots = int(trace.n_drafted.max()) if trace is not None and len(trace.n_drafted) else 0
     return SimConfig(hardware=hardware, model=model, draft=None if draft == "none" else draft,
-                     cache_ratio=ratio, visibility=visibility, quant=quant, draft_quant=draft_quant)
+                     cache_ratio=ratio, visibility=visibility, quant=quant, draft_quant=draft_quant, snapshots=snapshots)
 
 
 def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: Optional[str],

@@ -7,10 +7,15 @@ unit times the simulator charges. All of it is roofline arithmetic on the profil
     host expert, n tokens      max(W_e / B_cpu, n·F_e / P_cpu)     weights streamed once per pass
     copy one expert            W_e / B_pcie
     dense part of a block      W_block / B_gpu + layer overhead    (attention, router, shared experts)
+                               + a hybrid's recurrent state: read once, and per token of the pass
+                               a snapshot written and copied into the cache (3 state bytes)
     output head                W_head / B_gpu
     one draft token            W_draft / B_gpu + n_block_draft · layer overhead
 
-with every B and P the profile's peak times its efficiency.
+with every B and P the profile's peak times its efficiency. A hybrid target (Qwen3.5/3.6-MoE:
+gated-delta-net blocks beside full-attention ones) has KV only in its full-attention blocks
+(kv_bytes_per_token) and in device memory a recurrent state per delta-net block, 1 + n_rs_seq
+of them (llama.cpp keeps n_rs_seq snapshots for rollback: spac asks for γ when speculating).
 
 A measured profile (`spac sim profile measure`, `MeasuredProfile`, a TOML file of its own
 format) gives the same unit times from timed passes of the patched engine instead of datasheet
@@ -124,6 +129,8 @@ class ModelProfile:
     dense_block_params: int = 0
     draft: bool = False
     tie_embeddings: bool = False
+    recurrent_blocks: int = 0  # hybrid: blocks with a recurrent state instead of a KV cache
+    state_bytes: int = 0       # hybrid: one sequence's recurrent state over those blocks (F32)
 
     @property
     def n_layer(self) -> int:
@@ -151,6 +158,18 @@ class ModelProfile:
         """Weights read by every forward pass besides the routed experts (blocks + head)."""
         dense = self.n_dense_block * (self.dense_block_params or self.block_params)
         return (self.n_layer * self.block_params + dense + self.head_params) * BITS_PER_WEIGHT[quant] / 8
+
+    def state_memory(self, snapshots: int = 0) -> float:
+        """A hybrid's recurrent states in memory: the current one and n_rs_seq = `snapshots`."""
+        return self.state_bytes * (1 + snapshots)
+
+    def state_traffic(self) -> tuple[float, float]:
+        """(bytes per pass, bytes per token of the pass) of recurrent state one MoE block moves, on
+        average: each delta-net block reads its state once and writes a snapshot per token, which
+        is then copied into the cache (llama.cpp's build_recurrent_attn with n_rs_seq ≥ the
+        pass's tokens; with n_rs_seq 0 one token writes the one state the same way)."""
+        per_block = self.state_bytes / max(self.n_layer, 1)
+        return per_block, 3 * per_block
 
 
 def _load(name: str) -> dict:
@@ -238,18 +257,22 @@ class CostModel:
         quant: str = "Q4_K",
         draft_quant: str = "Q8_0",
         context: int = 4096,
+        snapshots: int = 0,
     ) -> CostModel:
+        """snapshots: a hybrid target's n_rs_seq (recurrent states kept for rollback)."""
         bpw = BITS_PER_WEIGHT[quant] / 8
         overhead = hw.layer_overhead_us * 1e-6
-        dense_layer = target.block_params * bpw / hw.gpu_bw + overhead
+        state_pass, state_token = target.state_traffic()
+        dense_layer = (target.block_params * bpw + state_pass) / hw.gpu_bw + overhead
         dense_blocks = target.n_dense_block * ((target.dense_block_params or target.block_params) * bpw / hw.gpu_bw + overhead)
         head = target.head_params * bpw / hw.gpu_bw
-        static = target.non_expert_bytes(quant) + context * target.kv_bytes_per_token
+        static = target.non_expert_bytes(quant) + context * target.kv_bytes_per_token + target.state_memory(snapshots)
         draft_s = 0.0
         if draft is not None:
             draft_bytes = (draft.n_block * draft.block_params + draft.head_params) * BITS_PER_WEIGHT[draft_quant] / 8
             draft_s = draft_bytes / hw.gpu_bw + draft.n_block * overhead
-            static += draft_bytes + context * draft.kv_bytes_per_token
+            # a hybrid draft's context keeps two sequences' states (spac's scratch sequence for drafting)
+            static += draft_bytes + context * draft.kv_bytes_per_token + 2 * draft.state_bytes
         # several cards (layer split): their memory adds up; each copies over its own link, and
         # with the pool's slots spread over the layers so are the copies (so the links add up);
         # the cards compute one after the other, the hidden state crossing once per card boundary
@@ -268,7 +291,7 @@ class CostModel:
             gpu_bw=hw.gpu_bw, gpu_flops=hw.gpu_tflops * 1e12, cpu_bw=hw.cpu_bw, cpu_flops=hw.cpu_gflops * 1e9,
             pcie_bw=(hw.pcie_bw * n_dev if not hw.remote_GBps
                      else target.expert_bytes(quant) / hw.expert_copy_s(target.expert_bytes(quant))),
-            dense_layer_s=dense_layer,
+            dense_layer_s=dense_layer, dense_layer_token_s=state_token / hw.gpu_bw,
             fixed_pass_s=dense_blocks + head + (n_dev - 1) * hw.sync_us * 1e-6 + fixed, fixed_pass_token_s=fixed_token,
             draft_token_s=draft_s, sync_s=sync, sync_token_s=sync_token,
             vram_bytes=hw.vram_GB * 1e9 * n_dev, static_bytes=static,
@@ -284,8 +307,10 @@ class CostModel:
         draft_quant: str = "Q8_0",
         context: int = 4096,
         draft_file: str | None = None,
+        snapshots: int = 0,
     ) -> CostModel:
-        """Unit times of `target` (and `draft`) on a measured machine (module docstring)."""
+        """Unit times of `target` (and `draft`) on a measured machine (module docstring); a hybrid's
+        recurrent state moves at the rate of the non-expert weights' bytes."""
         w_e = target.expert_bytes(quant)
         host, device = hw.expert_rate("host", quant), hw.expert_rate("device", quant)
         # the roofline fields, kept consistent for readers of them: stream = the one-token time,
@@ -301,7 +326,8 @@ class CostModel:
         fixed_share = (head + dense) / ne if ne else 0.0
         per_pass, per_token = ne * hw.non_expert_s_per_byte, ne * hw.non_expert_s_per_byte_token
         kv_block = target.kv_bytes_per_token / max(target.n_block, 1)  # one block's cache per token of context
-        static = ne + context * target.kv_bytes_per_token
+        static = ne + context * target.kv_bytes_per_token + target.state_memory(snapshots)
+        state_pass, state_token = (b * hw.non_expert_s_per_byte for b in target.state_traffic())
         draft_s = 0.0
         if draft is not None:
             draft_bytes = _draft_token_bytes(draft, draft_quant)
@@ -309,7 +335,7 @@ class CostModel:
                 draft_s = hw.draft_s_per_token
             else:
                 draft_s = draft_bytes * hw.draft_s_per_byte
-            static += context * draft.kv_bytes_per_token
+            static += context * draft.kv_bytes_per_token + 2 * draft.state_bytes
         (gpu_bw, gpu_flops), (cpu_bw, cpu_flops) = roof(device), roof(host)
         return cls(
             expert_bytes=w_e, expert_flops=2.0 * target.expert_params,
@@ -317,7 +343,7 @@ class CostModel:
             gpu_table=(tuple(device[0]), tuple(w_e * x for x in device[1])),
             cpu_table=(tuple(host[0]), tuple(w_e * x for x in host[1])),
             pcie_bw=hw.copy_bytes_per_s, transfer_latency_s=hw.copy_latency_s,
-            dense_layer_s=share * per_pass, dense_layer_token_s=share * per_token,
+            dense_layer_s=share * per_pass + state_pass, dense_layer_token_s=share * per_token + state_token,
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
             attention_block_s=kv_block * hw.kv_s_per_byte, attention_block_token_s=kv_block * hw.kv_s_per_byte_token,
             n_dense_block=target.n_dense_block,
@@ -548,10 +574,13 @@ def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
     one's own model). Parameter counts come from the tensors themselves: per MoE block the
     `ffn_*_exps` tensors divided by the expert count, and everything else of the block.
     draft=True: the profile of a draft model, whose per-token cost is its whole block plus the
-    top_k experts each token reads (a dense draft has none)."""
+    top_k experts each token reads (a dense draft has none). A hybrid's KV cache and recurrent
+    state are counted as the placement counts them (`placement.model_sizes`)."""
     from pathlib import Path
 
     import gguf
+
+    from orchestrator.placement import model_sizes, recurrent_layers
 
     reader = gguf.GGUFReader(str(path))
 
@@ -565,6 +594,11 @@ def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
     head_dim = int(field(f"{arch}.attention.key_length", d_model // int(field(f"{arch}.attention.head_count", 1))))
     kv_heads = field(f"{arch}.attention.head_count_kv", field(f"{arch}.attention.head_count", 1))
     kv_heads = int(max(kv_heads) if isinstance(kv_heads, list) else kv_heads)
+    kv = n_block * 2 * kv_heads * head_dim * 2
+    hybrid = dict(recurrent_blocks=sum(recurrent_layers(field, arch, n_block)))
+    if hybrid["recurrent_blocks"]:
+        sizes = model_sizes(path)
+        kv, hybrid["state_bytes"] = sizes.kv_bytes_per_token, sizes.state_bytes
     experts, rest, moe, head, expert_type = {}, {}, set(), 0, None
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -586,14 +620,15 @@ def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
             raise ValueError(f"{path}: no MoE blocks (no ffn_*_exps tensors)")
         return ModelProfile(key=f"gguf-draft:{Path(path).stem}", name=Path(path).stem, source=str(path), draft=True,
                             n_block=n_block, d_model=d_model, block_params=max(rest.values()), head_params=head,
-                            kv_bytes_per_token=n_block * 2 * kv_heads * head_dim * 2, tie_embeddings=tied), "F16"
+                            kv_bytes_per_token=kv, tie_embeddings=tied, **hybrid), "F16"
     first, last = min(moe), max(moe)
     dense = [rest[b] for b in rest if b not in moe]
     profile = ModelProfile(
         key=f"gguf:{Path(path).stem}", name=Path(path).stem, source=str(path), n_block=n_block, d_model=d_model,
-        block_params=max(rest[b] for b in moe), head_params=head, kv_bytes_per_token=n_block * 2 * kv_heads * head_dim * 2,
+        block_params=max(rest[b] for b in moe), head_params=head, kv_bytes_per_token=kv,
         moe_blocks=(first, last), n_expert=n_expert, top_k=int(field(f"{arch}.expert_used_count")),
-        expert_params=experts[first] // n_expert, dense_block_params=max(dense) if dense else 0, tie_embeddings=tied)
+        expert_params=experts[first] // n_expert, dense_block_params=max(dense) if dense else 0, tie_embeddings=tied,
+        **hybrid)
     quant = expert_type if expert_type in BITS_PER_WEIGHT else "F16"
     if draft:
         from dataclasses import replace

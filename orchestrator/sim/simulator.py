@@ -61,6 +61,7 @@ class SimConfig:
     capacity: int | None = None      # slots, overrides cache_ratio
     visibility: str = "pass"         # "pass" | "layer"
     context: int = 4096              # tokens of KV cache counted in the memory budget
+    snapshots: int = 0               # a hybrid target's recurrent-state snapshots (llama.cpp's n_rs_seq; spac: γ)
 
     def costs(self) -> CostModel:
         """hardware: a datasheet profile's key, or a measured profile's file (`spac sim profile measure`)."""
@@ -68,9 +69,10 @@ class SimConfig:
         if profiles.is_measured(self.hardware):
             return CostModel.from_measured(profiles.read_measured(self.hardware), profiles.model(self.model), draft,
                                            self.quant, self.draft_quant, self.context,
-                                           draft_file=draft.source if draft is not None else None)
+                                           draft_file=draft.source if draft is not None else None,
+                                           snapshots=self.snapshots)
         return CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
-                               self.quant, self.draft_quant, self.context)
+                               self.quant, self.draft_quant, self.context, snapshots=self.snapshots)
 
 
 @dataclass
