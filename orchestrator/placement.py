@@ -319,8 +319,10 @@ def model_sizes(path: str | Path) -> ModelSizes:
     v_len = int(get(k(gguf.Keys.Attention.VALUE_LENGTH), k_len))
     n_expert = int(get(k(gguf.Keys.LLM.EXPERT_COUNT), 0))
     recurrent = recurrent_layers(get, arch, n_layer)
+    # a hybrid's KV cache: its full-attention layers, not the trailing MTP ones (llama.cpp's filter_attn)
+    n_main = n_layer - int(get(k(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS), 0)) if any(recurrent) else n_layer
     heads = n_head_kv if isinstance(n_head_kv, list) else [n_head_kv] * n_layer
-    kv = sum(2 * int(h) * (k_len + v_len) for h, r in zip(heads, recurrent) if not r)  # F16: 2 bytes
+    kv = sum(2 * int(h) * (k_len + v_len) for h, r in zip(heads[:n_main], recurrent) if not r)  # F16: 2 bytes
     expert = sum(int(t.n_bytes) for t in r.tensors if _EXPERT_TENSOR in t.name + ".")
     other = sum(int(t.n_bytes) for t in r.tensors) - expert
     layers: dict[str, list] = {}  # MoE block -> its expert tensors

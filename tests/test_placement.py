@@ -361,6 +361,34 @@ def test_model_sizes_of_a_hybrid_count_kv_in_full_attention_layers_only(tmp_path
     assert model_sizes(make_random_model(tmp_path / "q.gguf", tiny_config("qwen3moe"))).state_bytes == 0
 
 
+def test_model_sizes_leave_out_a_hybrids_mtp_layer(tmp_path):
+    """A qwen35moe header with an MTP block (nextn_predict_layers 1, flagged not recurrent): like
+    llama.cpp's filter_attn, neither KV nor state for it (the real qwen35moe-mtp file: 512 B of KV
+    per token, one layer, as llama.cpp's log says)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(tmp_path / "h.gguf", "qwen35moe")
+    w.add_block_count(5)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(64)
+    w.add_value_length(64)
+    w.add_nextn_predict_layers(1)
+    w.add_array("qwen35moe.attention.recurrent_layers", [True, True, True, False, False])
+    for add, v in ((w.add_ssm_conv_kernel, 4), (w.add_ssm_state_size, 64), (w.add_ssm_group_count, 2),
+                   (w.add_ssm_time_step_rank, 4), (w.add_ssm_inner_size, 256)):
+        add(v)
+    w.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    s = model_sizes(tmp_path / "h.gguf")
+    assert s.kv_bytes_per_token == 512 and s.state_bytes == 3 * 4 * (3 * (256 + 2 * 2 * 64) + 64 * 256) == 215040
+
+
 def test_recurrent_layer_flags_win_over_the_interval():
     from orchestrator.placement import recurrent_layers
 
