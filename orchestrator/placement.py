@@ -362,7 +362,9 @@ def recurrent_layers(get, arch: str, n_layer: int) -> list[bool]:
 def state_per_layer(get, arch: str) -> int:
     """Bytes of one sequence's recurrent state in one recurrent layer: llama.cpp's hparams
     n_embd_r() (the conv state: ssm_d_conv - 1 columns of the d_inner + 2 · n_group · d_state
-    channels) plus n_embd_s() (the delta-net / SSM state: d_state · d_inner), both F32."""
+    channels) plus n_embd_s() (the delta-net / SSM state: d_state · d_inner), both F32. That is
+    llama.cpp's formula for the gated delta nets of qwen35moe and qwen3next (and Mamba-2); RWKV,
+    LFM2's short conv and Kimi's KDA layers size theirs otherwise, and are not sized here."""
     import gguf
 
     ssm = lambda key, default=0: int(get(key.format(arch=arch), default) or 0)  # noqa: E731
