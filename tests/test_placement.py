@@ -8,6 +8,7 @@ import inspect
 import pytest
 import typer
 
+from orchestrator.native import engine_built
 from orchestrator.options import OPTIONS, Budget, RunOptions, run_options
 from orchestrator.placement import (GPU, MARGIN, ModelSizes, PlacementError, layer_split, model_sizes, place,
                                      place_several, pool_layer_ranges)
@@ -417,3 +418,24 @@ def test_dry_run_of_a_hybrid_counts_its_states(tmp_path, monkeypatch):
     monkeypatch.setattr(placement, "devices", lambda: [])
     off = session_setup(RunOptions(model=path, ctx_size=512))
     assert off.config.draft is None and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
+
+
+@pytest.mark.skipif(not engine_built(), reason="native engine not built")
+def test_dry_run_json_of_a_hybrid(tmp_path):
+    """`spac generate --dry-run` on a hybrid file: the placement line and --json say the bytes of
+    its recurrent states (the CPU test device: the pool draft's two and the target's 1 + γ)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from orchestrator.cli import app
+    from orchestrator.gguf_export import make_random_model, tiny_config
+
+    path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
+    one = model_sizes(path).state_bytes
+    res = CliRunner().invoke(app, ["generate", "--dry-run", "-m", str(path), "--device", "CPU", "--draft-max", "4"])
+    assert res.exit_code == 0, res.output
+    assert f"recurrent state {7 * one / 2**20:.2f} MiB on the host (7 × {one / 2**20:.2f} MiB)" in res.output
+    res = CliRunner().invoke(app, ["generate", "--dry-run", "--json", "-m", str(path), "--device", "CPU"])
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["draft"] == "pool" and out["recurrent_state_bytes"] == (1 + 8 + 2) * one
