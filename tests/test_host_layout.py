@@ -194,7 +194,12 @@ def test_prompt_reads_the_plain_twins(files, monkeypatch):
 @pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
 def test_greedy_speculative_is_lossless_on_the_default_kernels(files, tmp_path, quant):
     """A verify batch takes the repacked GEMM, a single token the GEMV (and K-quants a tiled
-    kernel from 8 rows): greedy speculative output still equals target-only output."""
+    kernel from 8 rows): greedy speculative output equals target-only output, except where
+    target-only's own token is proven to change when the tokens before it are computed in
+    batches (batch_gap; K-quants on some CPUs: the README's "where lossless does not hold yet").
+    Never by luck: every difference is checked, and the first one ends the comparison of that
+    prompt (what follows it continues another text)."""
+    from batch_gap import assert_lossless
     from orchestrator.sampling import SamplingParams
     from orchestrator.speculative import Session, SessionConfig
 
@@ -208,7 +213,7 @@ def test_greedy_speculative_is_lossless_on_the_default_kernels(files, tmp_path, 
     with Session(SessionConfig(model=target, draft=draft, gamma=8, adaptive_gamma=False, n_threads=2,
                                engine=False)) as spec:
         for p, ref in zip(prompts, refs):
-            assert spec.complete(p, 48, sampling=greedy).tokens == ref
+            assert_lossless(target, p, spec.complete(p, 48, sampling=greedy).tokens, ref, repack="auto")
         assert spec.last_metrics.n_drafted > 0
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import make_real_files as mrf  # scripts/, on pytest's pythonpath
+from batch_gap import assert_lossless
 from orchestrator.llm import Context, Model
 from orchestrator.sampling import SamplingParams
 from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig
@@ -168,15 +169,20 @@ def test_speculative_greedy_equals_target_only_on_a_hybrid(files, arch, tmp_path
     """γ fixed at 4, the pool at 25% on the CPU test device: the F16 file drafting for the Q8_0
     target (acceptance between none and all, so that rejections of every depth roll back) and
     the pool draft (a recurrent draft context on the target's own weights, drafting in its fork)
-    give target-only's tokens."""
+    give target-only's tokens (batch_gap: or leave them only where that is proven to be the
+    batched kernels' rounding)."""
     target = path_of(files, arch, "q8_0")
     prompts = [r["prompt"] for r in json.loads((files / arch / "reference.json").read_text())["reference"]]
     base = dict(model=target, n_ctx=128, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
     want = session_tokens(SessionConfig(**base, engine=False), prompts)
+    model = Model(target, repack="off")
+    prompt_tokens = [model.tokenize(p) for p in prompts]
+    model.close()
     for draft in (path_of(files, arch, "f16"), POOL_DRAFT):
         steps: list[tuple[int, int]] = []
         cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, device="CPU", budget_ratio=0.25)
-        assert session_tokens(cfg, prompts, steps=steps) == want, draft
+        for p, got, ref in zip(prompt_tokens, session_tokens(cfg, prompts, steps=steps), want):
+            assert_lossless(target, p, got, ref)
         if draft != POOL_DRAFT:
             assert any(0 < a < d for d, a in steps), steps  # some partial rejections
 
@@ -198,7 +204,8 @@ def test_a_second_turn_reuses_the_state_or_starts_over(files, arch, tmp_path):
         assert other.metrics.n_prompt_cached == 0
     for prompt, got in ((turn, second), ("def fibonacci(n):", other)):
         with Session(cfg) as fresh:
-            assert fresh.complete(prompt, 12, (), GREEDY).tokens == got.tokens
+            tokens = prompt if isinstance(prompt, list) else fresh.tokenize(prompt)
+            assert_lossless(target, tokens, got.tokens, fresh.complete(prompt, 12, (), GREEDY).tokens)
 
 
 @pytest.mark.parametrize("mode", ["ahead", "used"])

@@ -39,12 +39,13 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from batch_gap import batch_dependent, first_mismatch, margins_of
 from conftest import LLAMA_CPP_TREE, ROOT, compile_native
 
 import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
 from build_native import stock_program  # noqa: E402
 
-from orchestrator.llm import Context, Model  # noqa: E402
+from orchestrator.llm import Model  # noqa: E402
 from orchestrator.native import NativeError  # noqa: E402
 from orchestrator.sampling import SamplingParams  # noqa: E402
 from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig  # noqa: E402
@@ -136,68 +137,6 @@ def table(files):
     yield t
     (files / "table.md").write_text(t.markdown())
     print("\n" + t.markdown())
-
-
-def first_mismatch(got: list[list[int]], want: list[list[int]]) -> tuple[int, int] | None:
-    for p, (g, w) in enumerate(zip(got, want)):
-        for i, (a, b) in enumerate(zip(g, w)):
-            if a != b:
-                return p, i
-        if len(g) != len(w):
-            return p, min(len(g), len(w))
-    return None
-
-
-def margins_of(model_path: Path, prompt_tokens: list[int], tokens: list[int]) -> np.ndarray:
-    """Target-only's top-1/top-2 margin at every generated position (one prefill, then single
-    tokens, as the target-only loop decodes)."""
-    model = Model(model_path, repack="off")
-    ctx = Context(model, n_ctx=128, n_batch=64, n_threads=2)
-    try:
-        out = []
-        ctx.decode(prompt_tokens, logits_all=False)
-        for t in [None, *tokens[:-1]]:
-            if t is not None:
-                ctx.decode([t])
-            row = np.sort(ctx.logits()[-1].astype(np.float64))
-            out.append(row[-1] - row[-2])
-        return np.array(out)
-    finally:
-        ctx.close()
-        model.close()
-
-
-def batch_dependent(model_path: Path, prompt_tokens: list[int], tokens: list[int], pos: int, max_batch: int = 9) -> bool:
-    """Whether target-only's own token at `pos` changes when the tokens before it are computed in
-    batches of 2..max_batch rows at any alignment, as verify passes compute them: the known
-    rounding gap between batched and single-token kernels, which a routing near-tie (a router's
-    k-th and k+1-th expert almost equal, in any layer) turns into a different token."""
-    if pos == 0:
-        return False
-    model = Model(model_path, repack="off")
-    ctx = Context(model, n_ctx=128, n_batch=64, n_threads=2)
-    try:
-        for nb in range(2, max_batch + 1):
-            for off in range(nb):
-                # batches of nb rows from `off` on, running past pos as a verify pass's drafts do
-                # (rows only see earlier rows: what the later tokens are does not matter)
-                ctx.clear()
-                ctx.decode(prompt_tokens, logits_all=False)
-                start = 0
-                for size in [off, *[nb] * len(tokens)]:
-                    chunk = tokens[start:start + size]
-                    if not chunk:
-                        continue
-                    ctx.decode(chunk)
-                    if start <= pos - 1 < start + len(chunk):
-                        if int(ctx.logits()[pos - 1 - start].argmax()) != tokens[pos]:
-                            return True
-                        break
-                    start += len(chunk)
-        return False
-    finally:
-        ctx.close()
-        model.close()
 
 
 def special_piece(model: Model, token: int) -> bytes:
