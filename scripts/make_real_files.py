@@ -49,6 +49,8 @@ DRAFT_TYPE = "q4_0"  # the self-draft, quantized from F32
 PROMPTS = ["The expert pool holds", "def fibonacci(n):", "Once upon a time, the router"]
 N_PREDICT = 16
 SEED = 26
+# llama4's top-1 routing at SEED has a near-tie (router gap 2e-4) that llama.cpp's float noise flips
+SEED_OF = {"llama4": 28}
 
 # dims: rows of 256 so that K-quants apply to the expert matrices (Q4_K_M's mix of Q4_K and
 # Q6_K over the layers' ffn_down_exps needs 4 layers); 8 experts, 2 used
@@ -106,20 +108,59 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen35moe-mtp": ("Qwen3_5MoeTextConfig", dict(moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT, head_dim=64,
                                                    shared_expert_intermediate_size=N_FF_EXP, mtp_num_hidden_layers=1,
                                                    **HYBRID)),
+    # GLM-4.5/4.6/4.7: a dense lead layer, a shared expert, sigmoid routing with a correction bias
+    # (randomised: ROUTER_BIAS), a routed scale; half-rotary heads with q/k norms and q/k/v biases
+    "glm4moe": ("Glm4MoeConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, n_routed_experts=N_EXPERT,
+                                      n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.0,
+                                      norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                                      num_nextn_predict_layers=0)),
+    # DeepSeek-V3/R1/V3.1 (also Kimi-K2's shape): MLA with a q LoRA, a dense lead layer, a shared
+    # expert, noaux_tc routing (sigmoid scores + correction bias, the top 2 groups of 4 by their
+    # best two scores), a routed scale; llama.cpp's deepseek2 architecture
+    "deepseek3": ("DeepseekV3Config", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, n_routed_experts=N_EXPERT,
+                                           n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=64,
+                                           q_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
+                                           n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                           num_key_value_heads=4, num_nextn_predict_layers=0)),
+    # Llama 4 (Maverick's interleaving): MoE in every second layer, dense FFNs between, a shared
+    # expert, top-1 sigmoid routing applied before the experts; chunked attention in three layers of
+    # four and no RoPE (with temperature tuning) in the fourth; L2 q/k norms
+    "llama4": ("Llama4TextConfig", dict(num_hidden_layers=8, intermediate_size=N_FF_EXP, intermediate_size_mlp=512,
+                                        num_local_experts=N_EXPERT, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                        head_dim=64, use_qk_norm=True)),
+    # MiniMax-M2: sigmoid routing with a correction bias, partial rotary (rotary_dim), q/k norms over
+    # the whole projection
+    "minimax-m2": ("MiniMaxM2Config", dict(intermediate_size=N_FF_EXP, num_local_experts=N_EXPERT, head_dim=64,
+                                           rotary_dim=32)),
 }
+# config.json fields the converter reads that transformers' class does not write: without
+# scoring_func the converter writes no gating function and llama.cpp falls back to softmax
+CONFIG_JSON = {"deepseek3": dict(scoring_func="sigmoid", topk_method="noaux_tc"),
+               "minimax-m2": dict(scoring_func="sigmoid", use_routing_bias=True, rotary_dim=32)}
+ROUTER_BIAS = 0.1  # std of the random e_score_correction_bias (transformers initialises it to zeros)
 # converter flags per architecture: the hybrids' tiny configs have no MTP layers to convert
 CONVERT_FLAGS = {"qwen35moe": ["--no-mtp"], "qwen3next": ["--no-mtp"]}
 # the chat template each model carries, a file of the pinned tree (read at build time, not copied)
-TEMPLATES = {"gpt-oss": "models/templates/openai-gpt-oss-120b.jinja"}
+TEMPLATES = {"gpt-oss": "models/templates/openai-gpt-oss-120b.jinja", "glm4moe": "models/templates/GLM-4.6.jinja",
+             "deepseek3": "models/templates/deepseek-ai-DeepSeek-V3.1.jinja",
+             "minimax-m2": "models/templates/MiniMax-M2.jinja"}
 DEFAULT_TEMPLATE = "models/templates/Qwen-Qwen3-0.6B.jinja"
 
 # special tokens of both template families: ChatML/Qwen3 and gpt-oss's harmony
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
            "<|return|>", "<|call|>", "<|constrain|>"]
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # plain added tokens, as Qwen3 has them
-EOS = {"gpt-oss": "<|return|>"}
+# and the special tokens of the other families' templates (GLM's also name its BOS, EOT and EOM)
+SPECIAL_OF = {"glm4moe": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+              "deepseek3": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+              "minimax-m2": ["]~!b[", "]~b]", "[e~["]}
+EOS = {"gpt-oss": "<|return|>", "glm4moe": "<|endoftext|>", "deepseek3": "<｜end▁of▁sentence｜>", "minimax-m2": "[e~[",
+       "ernie4_5-moe": "</s>"}
 DEFAULT_EOS = "<|im_end|>"
 N_VOCAB_BPE = 480
+# the architectures whose converter reads only a SentencePiece tokenizer.model (train_sentencepiece)
+SENTENCEPIECE = {"ernie4_5-moe"}
+N_VOCAB_SPM = 600  # 256 byte-fallback pieces among them
 
 # the tokenizer's training text: written for this file
 CORPUS = """\
@@ -164,16 +205,17 @@ def cached(out_root: Path = DEFAULT_OUT, archs: list[str] | None = None) -> Path
     return None
 
 
-def train_tokenizer(out: Path, template: str, eos: str):
+def train_tokenizer(out: Path, template: str, eos: str, special: list[str] = ()):
     """A byte-level BPE with GPT-2's split, trained on CORPUS; saved as a fast tokenizer with
-    the chat template in tokenizer_config.json. Returns the transformers tokenizer."""
+    the chat template in tokenizer_config.json; `special`: special tokens besides SPECIAL.
+    Returns the transformers tokenizer."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=N_VOCAB_BPE, special_tokens=SPECIAL, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=N_VOCAB_BPE, special_tokens=[*SPECIAL, *special], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS.splitlines(keepends=True) * 4, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
@@ -188,6 +230,44 @@ def train_tokenizer(out: Path, template: str, eos: str):
     return hf
 
 
+class SentencePieceTokenizer:
+    """A tokenizer.model through SentencePiece itself, with what build_arch and reference() use of
+    a transformers tokenizer (ERNIE's own repository wraps SentencePiece too; transformers' import
+    of a tokenizer.model would need protobuf)."""
+
+    def __init__(self, path: Path, eos: str):
+        import sentencepiece as spm
+
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.eos_token, self.eos_token_id, self.pad_token_id = eos, self.sp.PieceToId(eos), self.sp.unk_id()
+
+    def __len__(self) -> int:
+        return self.sp.GetPieceSize()
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": self.sp.encode(text)}
+
+
+def train_sentencepiece(out: Path, template: str, eos: str) -> SentencePieceTokenizer:
+    """A SentencePiece BPE with byte fallback and no normalisation (as Llama's and ERNIE's),
+    trained on CORPUS: tokenizer.model, with SPECIAL as control pieces; tokenizer_config.json
+    carries the chat template and no BOS."""
+    import sentencepiece as spm
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "tokenizer.model", "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS.splitlines() * 4), model_writer=f,
+                                       vocab_size=N_VOCAB_SPM, model_type="bpe", byte_fallback=True,
+                                       character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                       control_symbols=SPECIAL, normalization_rule_name="identity",
+                                       remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+    tok = SentencePieceTokenizer(out / "tokenizer.model", eos)
+    cfg = dict(add_bos_token=False, add_eos_token=False, bos_token="<s>", eos_token=eos, unk_token="<unk>",
+               chat_template=template)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    return tok
+
+
 def make_hf_model(arch: str, out: Path, n_vocab: int, eos_id: int, pad_id: int):
     """The seeded random model of `arch`, saved (safetensors, float32) to out."""
     import torch
@@ -196,13 +276,19 @@ def make_hf_model(arch: str, out: Path, n_vocab: int, eos_id: int, pad_id: int):
     cls_name, extra = ARCHS[arch]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra}, vocab_size=n_vocab, eos_token_id=eos_id,
                                               pad_token_id=pad_id, bos_token_id=None)
-    torch.manual_seed(SEED)
+    torch.manual_seed(SEED_OF.get(arch, SEED))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # spread the router's scores and the logits: fewer near-ties, in routing too
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "router.weight", "lm_head.weight")) and p.dim() == 2:
                 p.normal_(0.0, 0.5 if "lm_head" not in name else 0.2)
+        for name, b in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, ROUTER_BIAS)
     model.save_pretrained(out, safe_serialization=True)
+    if arch in CONFIG_JSON:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **CONFIG_JSON[arch]}, indent=1))
     if extra.get("mtp_num_hidden_layers"):
         add_mtp_weights(out, model)
     return model
@@ -307,7 +393,10 @@ def build_arch(arch: str, out: Path, quantizer: Path) -> dict:
     if hf_dir.exists():
         shutil.rmtree(hf_dir)
     template = (LLAMA_CPP_TREE / TEMPLATES.get(arch, DEFAULT_TEMPLATE)).read_text()
-    tokenizer = train_tokenizer(hf_dir, template, EOS.get(arch, DEFAULT_EOS))
+    if arch in SENTENCEPIECE:
+        tokenizer = train_sentencepiece(hf_dir, template, EOS.get(arch, DEFAULT_EOS))
+    else:
+        tokenizer = train_tokenizer(hf_dir, template, EOS.get(arch, DEFAULT_EOS), SPECIAL_OF.get(arch, []))
     model = make_hf_model(arch, hf_dir, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     ref = reference(model, tokenizer)
     del model

@@ -2,8 +2,8 @@
 against transformers (the implementation they come from), stock llama.cpp, and spac's own
 target-only output on every path.
 
-The files come from scripts/make_real_files.py (tiny random HF models of six MoE families,
-converted to F32/F16 by the pinned convert_hf_to_gguf.py, quantized to Q8_0/Q4_K_M and a Q4_0
+The files come from scripts/make_real_files.py (tiny random HF models of every MoE family in its
+ARCHS, converted to F32/F16 by the pinned convert_hf_to_gguf.py, quantized to Q8_0/Q4_K_M and a Q4_0
 self-draft by stock llama-quantize), cached under runs/real-files/. For each file, three
 prompts, 16 greedy tokens, compared by token id:
 
