@@ -132,6 +132,13 @@ ARCHS: dict[str, tuple[str, dict]] = {
     # the whole projection
     "minimax-m2": ("MiniMaxM2Config", dict(intermediate_size=N_FF_EXP, num_local_experts=N_EXPERT, head_dim=64,
                                            rotary_dim=32)),
+    # ERNIE 4.5 MoE (21B-A3B's shape): a dense lead layer, two shared experts, softmax routing with
+    # a correction bias (moe_statics), tied embeddings; a SentencePiece vocabulary (SENTENCEPIECE).
+    # The converter sizes the shared experts by intermediate_size / n_head_kv (ERNIE's own ratio)
+    "ernie4_5-moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=1024, moe_intermediate_size=N_FF_EXP,
+                                                moe_num_experts=N_EXPERT, moe_k=N_USED, moe_num_shared_experts=2,
+                                                moe_layer_start_index=1, moe_layer_end_index=N_LAYER - 1,
+                                                moe_layer_interval=1, tie_word_embeddings=True)),
 }
 # config.json fields the converter reads that transformers' class does not write: without
 # scoring_func the converter writes no gating function and llama.cpp falls back to softmax
