@@ -103,11 +103,15 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "qwen3next": ("Qwen3NextConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT,
                                           head_dim=64, shared_expert_intermediate_size=N_FF_EXP,
                                           norm_topk_prob=True, **HYBRID)),
-    # Qwen3.5/3.6-MoE with one multi-token-prediction layer (the MTP draft): transformers' class
-    # makes no MTP weights, so random `mtp.*` tensors are added to the checkpoint (`add_mtp_weights`)
+    # Qwen3.5/3.6-MoE and Qwen3-Next with one multi-token-prediction layer (the MTP draft):
+    # transformers' classes make no MTP weights, so random `mtp.*` tensors are added to the
+    # checkpoint (`add_mtp_weights`)
     "qwen35moe-mtp": ("Qwen3_5MoeTextConfig", dict(moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT, head_dim=64,
                                                    shared_expert_intermediate_size=N_FF_EXP, mtp_num_hidden_layers=1,
                                                    **HYBRID)),
+    "qwen3next-mtp": ("Qwen3NextConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, num_experts=N_EXPERT,
+                                              head_dim=64, shared_expert_intermediate_size=N_FF_EXP,
+                                              norm_topk_prob=True, mtp_num_hidden_layers=1, **HYBRID)),
     # GLM-4.5/4.6/4.7: a dense lead layer, a shared expert, sigmoid routing with a correction bias
     # (randomised: ROUTER_BIAS), a routed scale; half-rotary heads with q/k norms and q/k/v biases
     "glm4moe": ("Glm4MoeConfig", dict(intermediate_size=512, moe_intermediate_size=N_FF_EXP, n_routed_experts=N_EXPERT,

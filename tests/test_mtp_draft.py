@@ -1,7 +1,8 @@
 """The MTP head as a draft (issue 40, `orchestrator.mtp_draft`, patch 0020).
 
-On scripts/make_real_files.py's qwen35moe-mtp files (a tiny random Qwen3.5-MoE hybrid with one
-MTP layer, converted by llama.cpp's own converter with its `mtp.*` weights):
+On scripts/make_real_files.py's qwen35moe-mtp and qwen3next-mtp files (tiny random Qwen3.5-MoE
+and Qwen3-Next hybrids with one MTP layer, converted by llama.cpp's own converter with their
+`mtp.*` weights):
 
     lossless   greedy tokens with `--draft mtp` equal target-only's, F32 and Q8_0, with the expert
                pool on (a second CPU buffer, 25%) and off, over prompts that reuse the cache (or
@@ -35,21 +36,26 @@ from orchestrator.native import ExpertEngine, Routing, engine_built, lib
 from orchestrator.sampling import SamplingParams
 from orchestrator.speculative import Session, SessionConfig
 
-ARCH = "qwen35moe-mtp"
+ARCHS = ["qwen35moe-mtp", "qwen3next-mtp"]
 GREEDY = SamplingParams(temperature=0.0)
 N_TOKENS = 24
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def files():
-    """The qwen35moe-mtp real files (cached under runs/real-files/, else built: ~30 s)."""
-    if mrf.cached(archs=[ARCH]) is None:
+def real_files():
+    """The MTP real files, arch -> type -> path (cached under runs/real-files/, else built: ~1 min)."""
+    if mrf.cached(archs=ARCHS) is None:
         for dep in ("torch", "transformers", "tokenizers"):
             pytest.importorskip(dep, reason="building the real files needs the `test` extra (scripts/install.sh --test)")
-    d = mrf.build(archs=[ARCH]) / ARCH
-    info = json.loads((d / "reference.json").read_text())
-    return {t: d / f for t, f in info["files"].items()}
+    out = mrf.build(archs=ARCHS)
+    infos = {a: json.loads((out / a / "reference.json").read_text()) for a in ARCHS}
+    return {a: {t: out / a / f for t, f in info["files"].items()} for a, info in infos.items()}
+
+
+@pytest.fixture
+def files(real_files):
+    return real_files[ARCHS[0]]
 
 
 @pytest.fixture(autouse=True)
@@ -69,11 +75,15 @@ def run(cfg: SessionConfig) -> tuple[list[list[int]], list[list[int]], dict]:
                                   n_drafted=s.last_metrics.n_drafted, n_prompt_cached=s.last_metrics.n_prompt_cached)
 
 
-@pytest.mark.parametrize("ftype", ["f32", "q8_0"])
-@pytest.mark.parametrize("pool", ["off", "on"])
-def test_mtp_draft_is_lossless(files, tmp_path, ftype, pool):
+LOSSLESS = [(ARCHS[0], t, pool) for t in ("f32", "q8_0") for pool in ("off", "on")] + \
+    [(ARCHS[1], "f32", "off"), (ARCHS[1], "q8_0", "on")]
+
+
+@pytest.mark.parametrize("arch,ftype,pool", LOSSLESS, ids=["-".join(c) for c in LOSSLESS])
+def test_mtp_draft_is_lossless(real_files, tmp_path, arch, ftype, pool):
     if pool == "on" and not engine_built():
         pytest.skip("native engine not built")
+    files = real_files[arch]
     base = dict(model=files[ftype], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
     want, prompts, _ = run(SessionConfig(**base, engine=False))
     engine = dict(engine=True, device="CPU", budget_ratio=0.25) if pool == "on" else dict(engine=False)
@@ -83,6 +93,17 @@ def test_mtp_draft_is_lossless(files, tmp_path, ftype, pool):
         for p, g, w in zip(prompts, got, want):  # equal, or apart only where batching is proven to part them
             assert_lossless(files[ftype], p, g, w)
         assert s["n_prompt_cached"] > 0 and (s["n_drafted"] > 0 or adaptive)
+
+
+def test_mtp_draft_samples(files):
+    """Sampling (rejection sampling against the head's distribution): the same seed gives the
+    same tokens, as with any draft."""
+    cfg = SessionConfig(model=files["q8_0"], n_ctx=256, n_threads=2, repack="off", engine=False, draft=MTP_DRAFT, gamma=3)
+    sampling = SamplingParams(temperature=0.8, top_k=40, seed=7)
+    with Session(cfg) as s:
+        runs = [s.complete(mrf.PROMPTS[0], 16, (), sampling) for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) > 0
+    assert runs[0].metrics.n_drafted > 0
 
 
 def reference_logits(path, tokens: list[int]) -> np.ndarray:
@@ -120,11 +141,12 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         model.close()
 
 
-def test_catch_up_pairs_each_token_with_the_previous_state(files, tmp_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_catch_up_pairs_each_token_with_the_previous_state(real_files, arch):
     """Every step's first draft comes from the head fed the sequence so far: its logits equal
     `reference_logits` of that sequence (F32: the verify passes' states round as one pass's do)."""
     seen: list[tuple[list[int], np.ndarray]] = []
-    cfg = SessionConfig(model=files["f32"], n_ctx=256, n_threads=2, repack="off", engine=False, draft=MTP_DRAFT,
+    cfg = SessionConfig(model=real_files[arch]["f32"], n_ctx=256, n_threads=2, repack="off", engine=False, draft=MTP_DRAFT,
                         gamma=3, adaptive_gamma=False)
     with Session(cfg) as s:
         dctx = s.draft_ctx
@@ -140,7 +162,7 @@ def test_catch_up_pairs_each_token_with_the_previous_state(files, tmp_path):
         s.complete(mrf.PROMPTS[1], 12, (), GREEDY)
     assert len(seen) >= 4
     for tokens, got in seen:
-        want = reference_logits(files["f32"], tokens)
+        want = reference_logits(real_files[arch]["f32"], tokens)
         assert int(got.argmax()) == int(want.argmax())
         np.testing.assert_allclose(got, want, atol=1e-3 * float(np.abs(want).max()))
 
