@@ -266,10 +266,13 @@ class Context:
     The cache is llama.cpp's memory: a KV cache, or on a hybrid model (Qwen3.5/3.6-MoE,
     Qwen3-Next) a KV cache beside a recurrent state that cannot be cut back anywhere. Such a
     state rolls back only through llama.cpp's snapshots of the last decode's trailing tokens
-    (`rollback`: how many, llama.cpp's n_rs_seq); a trim deeper than that, or a second one before
-    the next decode, computes the kept tokens again from the start (`n_replays` counts those).
-    A recurrent trim is applied at the next decode, so that several trims in a row (a rejected
-    draft, then a stop string) cost one rollback."""
+    (`rollback`: how many, llama.cpp's n_rs_seq). A trim deeper than that restores the latest
+    `checkpoint` at or before the kept position (a copy of the recurrent state, as llama-server's
+    context checkpoints), else starts from an empty state, and computes the kept tokens after it
+    again (`n_replays` counts those). A recurrent trim is applied at the next decode, so that
+    several trims in a row (a rejected draft, then a stop string) cost one rollback."""
+
+    MAX_CHECKPOINTS = 4  # each holds one recurrent state in host memory
 
     def __init__(self, model: Model, n_ctx: int = 2048, n_batch: int = 512, n_threads: int = 2,
                  kv_f32: bool = False, cb_eval=None, cb_eval_user_data=None, op_offload: bool = True,
@@ -318,6 +321,7 @@ class Context:
         self._history = np.zeros(n_ctx, dtype=np.int32)  # the tokens at positions 0..: what a replay decodes
         self._last_run = 0  # tokens of the last llama_decode (its trailing ones have snapshots); 0: unknown
         self._fork_at: int | None = None
+        self._checkpoints: list[tuple[int, ctypes.Array]] = []  # (position, recurrent state there)
         # called after each llama_decode with its first position and its number of tokens (an MTP
         # draft reads the hidden states the decode exported)
         self.after_decode: Callable[[int, int], None] | None = None
@@ -365,6 +369,8 @@ class Context:
         past n_past, in case a decode was interrupted after writing the cache."""
         if self.recurrent:  # applied at the next decode (_settle), which reads the memory's own end
             self.n_past = min(self.n_past, n_keep)
+            # a checkpoint past the kept tokens describes tokens that the next decodes replace
+            self._checkpoints = [c for c in self._checkpoints if c[0] <= self.n_past]
             return
         if force or n_keep < self.n_past:
             L.llama_memory_seq_rm(self.memory, self._seq, n_keep, -1)
@@ -372,32 +378,65 @@ class Context:
 
     def can_trim(self, n_keep: int) -> bool:
         """Whether trimming to n_keep now keeps the cache without computing it again."""
-        if not self.recurrent or n_keep >= self._memory_end():
-            return True
-        drop = self._memory_end() - n_keep
-        return drop <= min(self.rollback, self._last_run - 1)
+        return self.reusable(n_keep) == n_keep
+
+    def reusable(self, n_keep: int) -> int:
+        """How many of the first n_keep cached tokens a trim keeps without computing them again:
+        all of them in a KV cache or within a snapshot's reach, else up to the latest checkpoint."""
+        if not self.recurrent or self._snapshot_reaches(n_keep):
+            return n_keep
+        return self._latest_checkpoint(n_keep)
+
+    def _snapshot_reaches(self, n_keep: int) -> bool:
+        end = self._memory_end()
+        return n_keep >= end or end - n_keep <= min(self.rollback, self._last_run - 1)
+
+    def _latest_checkpoint(self, n_keep: int) -> int:
+        return max((pos for pos, _ in self._checkpoints if pos <= n_keep), default=0)
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent state at this position (the end of a prompt, of an
+        answer): a later trim back to it, or past it, restores it instead of computing every
+        kept token again. Nothing on a KV cache, nor in a fork."""
+        if not self.recurrent or self._fork_at is not None:
+            return
+        self._settle()
+        if self.n_past == 0 or any(pos == self.n_past for pos, _ in self._checkpoints):
+            return
+        size = L.llama_state_seq_get_size_ext(self.ptr, 0, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        state = (ctypes.c_uint8 * size)()
+        L.llama_state_seq_get_data_ext(self.ptr, state, size, 0, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        self._checkpoints = [*self._checkpoints, (self.n_past, state)][-self.MAX_CHECKPOINTS:]
 
     def _memory_end(self) -> int:
         return int(L.llama_memory_seq_pos_max(self.memory, self._seq)) + 1
 
     def _settle(self) -> None:
         """Make a recurrent memory end at n_past: one rollback to a snapshot where the last
-        decode kept one, else the kept tokens computed again from an empty state."""
+        decode kept one, else the kept tokens computed again from the latest checkpoint before
+        them or from an empty state."""
         end = self._memory_end()
         if end == self.n_past:
             return
-        if end > self.n_past and self.can_trim(self.n_past):
+        if end > self.n_past and self._snapshot_reaches(self.n_past):
             if L.llama_memory_seq_rm(self.memory, self._seq, self.n_past, -1):
                 self._last_run = 0  # a snapshot is used once: the next trim needs the next decode's
                 return
         keep = self.n_past
-        L.llama_memory_seq_rm(self.memory, self._seq, -1, -1)
-        if self._seq == 0:
-            L.llama_memory_clear(self.memory, True)
-        self.n_past = 0
-        if keep:
+        self._last_run = 0
+        start = self._latest_checkpoint(keep) if self._seq == 0 else 0
+        if start:  # the latest checkpoint at or before keep: its state, and the KV cache cut there
+            state = next(st for pos, st in self._checkpoints if pos == start)
+            L.llama_state_seq_set_data_ext(self.ptr, state, len(state), 0, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            L.llama_memory_seq_rm(self.memory, 0, start, -1)
+        else:
+            L.llama_memory_seq_rm(self.memory, self._seq, -1, -1)
+            if self._seq == 0:
+                L.llama_memory_clear(self.memory, True)
+        self.n_past = start
+        if keep > start:
             self.n_replays += 1
-            self.decode(self._history[:keep].copy(), logits_all=False)
+            self.decode(self._history[start:keep].copy(), logits_all=False)
 
     def fork(self) -> None:
         """Go on in a scratch sequence that starts as this one (a recurrent draft's drafted
@@ -422,6 +461,7 @@ class Context:
         L.llama_memory_clear(self.memory, True)
         self.n_past = 0
         self._last_run = 0
+        self._checkpoints = []
         self._fork_at = None
         self._set_seq(0)
 

@@ -406,6 +406,7 @@ class Session:
                 yield tail
         finally:
             self._sync()
+            self.ctx.checkpoint()  # a recurrent state: the next turn's prompt may leave this one
             self.last_metrics = rec.finish(reason, self.engine.stats() if self.engine else None)
             self.last_text = stream.text
             self.last_tokens = self._tokens[len(prompt_tokens):]
@@ -561,20 +562,24 @@ class Session:
                 break
             common += 1
         keep = min(common, len(prompt) - 1)  # the last prompt token is always computed: its logits
-        if not self.ctx.can_trim(keep):  # a recurrent state that cannot go back there: as a new prompt
-            keep = 0
-        if self.draft_ctx is not None and not self.draft_ctx.can_trim(keep):
-            self.draft_ctx.clear()
+        # a recurrent state goes back only as far as a snapshot or a checkpoint reaches
+        keep = self.ctx.reusable(keep)
+        dctx = self.draft_ctx
+        if isinstance(dctx, Context):
+            dctx.trim(dctx.reusable(keep))
+        elif dctx is not None and not dctx.can_trim(keep):
+            dctx.clear()
         self._tokens = list(prompt[:keep + 1])  # the KV caches hold tokens[:-1]
         self._sync()
         self._tokens = list(prompt)
         cached = self.ctx.n_past
         # the draft first: the target decodes next, and its weights should be the ones in the cache
-        dctx = self.draft_ctx
         # (an MTP head reads the target's hidden states of the prompt: it catches up in the first step)
-        if dctx is not None and dctx.n_past < len(prompt) - 1 and not isinstance(dctx, MtpDraft):
+        if isinstance(dctx, Context) and dctx.n_past < len(prompt) - 1:
             dctx.decode(prompt[dctx.n_past:-1], logits_all=False)
+            dctx.checkpoint()
         self.ctx.decode(prompt[self.ctx.n_past:], logits_all=False)
+        self.ctx.checkpoint()  # a recurrent state: the next prompt may leave this one after its end
         row = self.ctx.logits()[-1]
         first = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)
         return cached, first

@@ -231,3 +231,23 @@ def test_streamed_prefill_of_a_hybrid_is_bit_identical(files, arch, mode):
     finally:
         ctx.close()
         model.close()
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_a_prompt_that_leaves_the_cached_one_restores_a_checkpoint(files, arch, tmp_path):
+    """The state is copied at the end of every prompt and answer (llama-server's context
+    checkpoints): a next prompt that shares the last prompt but not the answer after it (an
+    edited answer, a regenerated turn) restores the state at the prompt's end and computes only
+    the rest (cache_n = that prompt), with a fresh Session's answer."""
+    target = path_of(files, arch, "q8_0")
+    cfg = SessionConfig(model=target, n_ctx=256, n_threads=2, repack="off", draft=POOL_DRAFT, gamma=4,
+                        adaptive_gamma=False, device="CPU", budget_ratio=0.5, calibration_cache=tmp_path / "cal.json")
+    with Session(cfg) as s:
+        prompt = s.tokenize(PROMPT)
+        first = s.complete(prompt, 12, (), GREEDY)
+        edited = prompt + [t + 1 for t in first.tokens[:4]]
+        second = s.complete(edited, 12, (), GREEDY)
+        assert second.metrics.n_prompt_cached == len(prompt)
+        assert s.ctx.n_replays == 0
+    with Session(cfg) as fresh:
+        assert_lossless(target, edited, second.tokens, fresh.complete(edited, 12, (), GREEDY).tokens)
