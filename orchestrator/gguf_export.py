@@ -114,6 +114,9 @@ class ModelConfig:
     linear_head_dim: int = 0
     conv_kernel: int = 0
     rope_dim: int = 0  # 0: head_dim
+    # qwen35moe: multi-token-prediction layers after the trunk (`<arch>.nextn_predict_layers`; block
+    # count n_layer + n_mtp), each a full-attention MoE block with the nextn projection and norms
+    n_mtp: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -157,6 +160,9 @@ class ModelConfig:
                                  f"{self.linear_k_heads}")
         elif self.full_attention_interval or self.linear_k_heads or self.linear_v_heads or self.conv_kernel:
             raise ValueError(f"{self.arch} has no linear-attention layers")
+        if self.n_mtp and (not self.is_hybrid or self.n_mtp != 1):
+            raise ValueError(f"n_mtp {self.n_mtp}: the writer makes one MTP layer, on qwen35moe only "
+                             "(llama.cpp's qwen35moe MTP graph runs a single block)")
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}")
         if self.arch == "qwen2moe":
@@ -227,17 +233,21 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     cfg.check()
     d, v = cfg.n_embd, cfg.n_vocab
     shapes: dict[str, tuple[int, ...]] = {_tn(MODEL_TENSOR.TOKEN_EMBD): (v, d)}
-    for i in range(cfg.n_layer):
+    for i in range(cfg.n_layer + cfg.n_mtp):
         L = lambda t, s="weight": _tn(t, s, i)  # noqa: E731
         shapes[L(MODEL_TENSOR.ATTN_NORM)] = (d,)
-        if cfg.is_recurrent(i):
+        if i < cfg.n_layer and cfg.is_recurrent(i):
             shapes.update(_linear_attention(cfg, L))
-        else:
+        else:  # an MTP layer is full attention (llama.cpp's qwen35moe load_block_mtp)
             _attention(cfg, L, shapes)
         if cfg.is_hybrid:  # the post-attention norm stands where ffn_norm does
             shapes[L(MODEL_TENSOR.ATTN_POST_NORM)] = (d,)
         else:
             shapes[L(MODEL_TENSOR.FFN_NORM)] = (d,)
+        if i >= cfg.n_layer:  # the MTP head: [enorm(embedding), hnorm(hidden)] projected back to d
+            shapes[L(MODEL_TENSOR.NEXTN_EH_PROJ)] = (d, 2 * d)
+            for t in (MODEL_TENSOR.NEXTN_ENORM, MODEL_TENSOR.NEXTN_HNORM, MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM):
+                shapes[L(t)] = (d,)
         if cfg.is_moe:
             e, f = cfg.n_expert, cfg.n_ff_exp
             shapes[L(MODEL_TENSOR.FFN_GATE_INP)] = (e, d)
@@ -354,7 +364,9 @@ def _write_metadata(w: gguf.GGUFWriter, cfg: ModelConfig, tok: Tokenizer, dtype:
     w.add_vocab_size(cfg.n_vocab)
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layer)
+    w.add_block_count(cfg.n_layer + cfg.n_mtp)
+    if cfg.n_mtp:
+        w.add_nextn_predict_layers(cfg.n_mtp)
     w.add_feed_forward_length(cfg.n_ff if cfg.n_ff else cfg.n_ff_exp * cfg.n_expert_used)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
@@ -515,11 +527,12 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     n_head = int(get(k(gguf.Keys.Attention.HEAD_COUNT)))
     n_embd = int(get(k(gguf.Keys.LLM.EMBEDDING_LENGTH)))
     names = {t.name for t in r.tensors}
+    n_mtp = int(get(k(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS), 0))
     return ModelConfig(
         arch=arch,
         n_vocab=len(get(gguf.Keys.Tokenizer.LIST)),
         n_embd=n_embd,
-        n_layer=int(get(k(gguf.Keys.LLM.BLOCK_COUNT))),
+        n_layer=int(get(k(gguf.Keys.LLM.BLOCK_COUNT))) - n_mtp,
         n_head=n_head,
         n_head_kv=int(get(k(gguf.Keys.Attention.HEAD_COUNT_KV), n_head)),
         head_dim=int(get(k(gguf.Keys.Attention.KEY_LENGTH), n_embd // n_head)),
@@ -534,6 +547,7 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
         tie_embeddings=_tn(MODEL_TENSOR.OUTPUT) not in names,
         qkv_bias=_tn(MODEL_TENSOR.ATTN_Q, "bias", 0) in names,
         name=str(get(gguf.Keys.General.NAME, "")),
+        n_mtp=n_mtp,
         **_read_hybrid(get, k, n_embd // n_head),
     )
 

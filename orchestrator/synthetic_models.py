@@ -67,10 +67,12 @@ def random_q4_0(shape: tuple[int, ...], std: float, rng: np.random.Generator, ze
     return blocks.reshape(*shape[:-1], n // Q4_0_BLOCK * 18)
 
 
-def synthetic_tensors(cfg: ModelConfig, seed: int, zero_mean: bool = False) -> dict:
+def synthetic_tensors(cfg: ModelConfig, seed: int, zero_mean: bool = False, floats: bool = False) -> dict:
     """Random Q4_0 weights (norms 1) of a preset's shape, as callables; zero_mean: see random_q4_0.
     The tensors a file keeps in F32 besides the norms (a delta net's conv kernel, a one-row
-    shared-expert gate) are zero-mean normal floats, a delta net's decay rates negative."""
+    shared-expert gate) are zero-mean normal floats, a delta net's decay rates negative.
+    floats: every weight a zero-mean normal float of the same std (for an F16 file, from which
+    llama.cpp's quantizer can make a Q4_0 self-draft)."""
     def make(name: str, shape: tuple[int, ...], i: int):
         def f():
             rng = np.random.default_rng([seed, i])
@@ -78,8 +80,9 @@ def synthetic_tensors(cfg: ModelConfig, seed: int, zero_mean: bool = False) -> d
                 return ssm_a(rng, shape)
             if len(shape) == 1:
                 return np.ones(shape, np.float32)
-            if keeps_f32(name, shape):
-                return (shape[-1] ** -0.5 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-            return random_q4_0(shape, shape[-1] ** -0.5 if "token_embd" not in name else 1.0, rng, zero_mean)
+            std = shape[-1] ** -0.5 if "token_embd" not in name else 1.0
+            if floats or keeps_f32(name, shape):
+                return std * rng.standard_normal(shape, dtype=np.float32)
+            return random_q4_0(shape, std, rng, zero_mean)
         return f
     return {n: make(n, s, i) for i, (n, s) in enumerate(tensor_shapes(cfg).items())}

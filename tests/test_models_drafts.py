@@ -137,13 +137,18 @@ def test_synthetic_q4_0_loads_and_generates(tmp_path):
     assert np.isfinite(logits(path)).all()
 
 
+
+def small_hybrid(**kw):
+    """The qwen3.6-35b-a3b preset on a small shape (4 layers: three delta nets, one full attention)."""
+    return replace(PRESETS["qwen3.6-35b-a3b"], n_vocab=512, n_embd=128, n_layer=4, n_head=2, n_head_kv=1,
+                   head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64, linear_k_heads=2,
+                   linear_v_heads=4, linear_head_dim=32, rope_dim=16, **kw)
+
 @needs_llama
 def test_synthetic_hybrid_loads_and_generates(tmp_path):
     """The qwen35moe preset's writer on a small shape: Q4_0 weights, the conv kernel and the one-row
     shared-expert gate F32, the decay rates negative; llama.cpp decodes it to finite logits."""
-    cfg = replace(PRESETS["qwen3.6-35b-a3b"], n_vocab=512, n_embd=128, n_layer=4, n_head=2, n_head_kv=1,
-                  head_dim=64, n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64, linear_k_heads=2,
-                  linear_v_heads=4, linear_head_dim=32, rope_dim=16)
+    cfg = small_hybrid()
     path = write_gguf(tmp_path / "h.gguf", cfg, synthetic_tensors(cfg, seed=0, zero_mean=True),
                       byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
     r = gguf.GGUFReader(path)
@@ -152,3 +157,38 @@ def test_synthetic_hybrid_loads_and_generates(tmp_path):
         f"blk.{i}.ssm_conv1d.weight" for i in range(3)}
     assert (np.asarray(next(t for t in r.tensors if t.name == "blk.0.ssm_a").data) < 0).all()
     assert np.isfinite(logits(path)).all()
+
+
+@needs_llama
+def test_synthetic_hybrid_with_mtp_layer_drafts(tmp_path):
+    """The preset with --mtp-layers 1 on a small shape: block n_layer is a full-attention MoE
+    block with the nextn tensors llama.cpp's qwen35moe MTP loader reads, nextn_predict_layers = 1;
+    `--draft mtp` loads it and drafts, its greedy text target-only's (or apart only where batching
+    is proven to part them)."""
+    from batch_gap import assert_lossless
+
+    from orchestrator.mtp_draft import MTP_DRAFT, MtpDraft
+    from orchestrator.sampling import SamplingParams
+    from orchestrator.speculative import Session, SessionConfig
+
+    cfg = small_hybrid(n_mtp=1)
+    shapes = tensor_shapes(cfg)
+    assert shapes["blk.4.nextn.eh_proj.weight"] == (128, 256) and shapes["blk.4.attn_q.weight"] == (256, 128)
+    assert "blk.4.ssm_a" not in shapes and "blk.4.ffn_down_exps.weight" in shapes
+    with pytest.raises(ValueError, match="n_mtp"):
+        tiny_config("qwen3moe", n_mtp=1)
+    path = write_gguf(tmp_path / "h.gguf", cfg, synthetic_tensors(cfg, seed=0, zero_mean=True),
+                      byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
+    assert (read_config(path).n_layer, read_config(path).n_mtp) == (4, 1)
+    base = dict(model=path, n_ctx=256, n_threads=2, repack="off", engine=False)
+    prompt = "def forward(self, x):"
+
+    def run(**kw):
+        with Session(SessionConfig(**base, **kw)) as s:
+            toks = s.complete(prompt, 16, (), SamplingParams(temperature=0.0)).tokens
+            return toks, s.tokenize(prompt), isinstance(s.draft_ctx, MtpDraft), s.last_metrics.n_drafted
+
+    want, prompt_tokens, _, _ = run()
+    got, _, mtp, drafted = run(draft=MTP_DRAFT, gamma=3, adaptive_gamma=False)
+    assert mtp and drafted > 0
+    assert_lossless(path, prompt_tokens, got, want)
