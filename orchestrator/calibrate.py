@@ -114,12 +114,13 @@ class Rig:
     budget: str               # the pool budget as configured (bytes or ratio)
     gamma: int
     k_max: int
+    draft_kind: str = ""      # a draft on the target's own file: "pool" or "mtp" (they cost differently)
 
     def cache_key(self) -> str:
         parts = [f"v{VERSION}", file_fingerprint(self.model_path),
                  file_fingerprint(self.draft_path) if self.draft_path is not None else "-",
                  machine_id(), self.device, f"t{self.n_threads}", f"b{self.budget}", f"g{self.gamma}"]
-        return "|".join(parts)
+        return "|".join(parts + ([self.draft_kind] if self.draft_kind else []))
 
 
 def expert_bytes(model_path: str | Path) -> float:

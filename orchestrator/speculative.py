@@ -280,7 +280,8 @@ class Session:
                             model_path=self.target.path, draft_path=self.draft.path if self.draft else None,
                             device=",".join(d.name for d in cfg.pool_devices()), n_threads=cfg.n_threads,
                             budget=",".join(str(d.budget_bytes or d.budget_ratio) for d in cfg.pool_devices()),
-                            gamma=self.gamma, k_max=cfg.k_max)
+                            gamma=self.gamma, k_max=cfg.k_max,
+                            draft_kind=cfg.draft if self.draft is self.target else "")
         self.calibration = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
         self._plan_sent = self._plan_in_force = None
         # initial placement, with the calibration as the first measurement
