@@ -1,4 +1,4 @@
-"""Heterogeneous Workload Balancer (seed 004, §3.3 Eq. 9–12 and Appendix C).
+"""Heterogeneous Workload Balancer (MoE-SpAc §3.3, Eq. 9–12 and Appendix C).
 
 Per MoE layer and verification step, choose the threshold τ ∈ [1, K] (experts with
 utility ≥ τ are hot: prefetched to and computed on the device) that minimises

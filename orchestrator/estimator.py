@@ -1,4 +1,4 @@
-"""Speculative Utility Estimator (seed 004, Algorithm 1), vectorised over [MoE layer, expert].
+"""Speculative Utility Estimator (MoE-SpAc §3.2, Algorithm 1), vectorised over [MoE layer, expert].
 
 After each verification step t the estimator turns the activation frequencies f_t (how many
 of the verified tokens chose each expert) into utilities s_{t+1} in 0..K for the next step:

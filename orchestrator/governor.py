@@ -1,4 +1,4 @@
-"""Adaptive draft length: MoE-SpeQ's Speculative Governor (seed 000 §3.2).
+"""Adaptive draft length: MoE-SpeQ's Speculative Governor (MoE-SpeQ §3.2).
 
 Before every verification step the governor picks the draft length γ ∈ [γ_min, γ_max]
 (γ_max: `--draft-max`) that maximises the expected tokens per second of that step, the
@@ -9,7 +9,7 @@ Amortization Roofline objective of the paper:
     T(γ) = γ · t_draft + T_verify(γ + 1) + t_step
     γ*   = argmax_γ E(γ) / T(γ)
 
-- p_i: the probability that draft i is accepted given drafts 1..i−1 were (seed 000, Eq. 2),
+- p_i: the probability that draft i is accepted given drafts 1..i−1 were (MoE-SpeQ Eq. 2),
   from decayed counts of what the verify passes accepted, shrunk towards the geometric rate α
   for positions that are seldom reached (a short γ never observes p_8).
 - t_draft: measured seconds per drafted token (the draft is cheap and linear in γ).

@@ -1,4 +1,4 @@
-"""The hot-expert self-draft (SpecMoE, seed 003): a copy of a MoE GGUF that keeps, in every
+"""The hot-expert self-draft (SpecMoE §III-B): a copy of a MoE GGUF that keeps, in every
 layer, the N experts most used in a routing profile (router rows sliced to match). Streams one
 tensor at a time and works on any quantization. `spac draft hot-experts` (orchestrator/drafts.py)
 is its command."""

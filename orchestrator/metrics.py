@@ -14,7 +14,7 @@ Definitions:
     device_share    expert-token computations done on the device pool / all of them (engine
                     stats, this run only); None without an engine
     tau_histogram   per MoE layer, how many steps used each threshold τ = 1..K (column τ−1)
-    hot_cold_accuracy  seed 004 §4.3: at step t+1 an expert is predicted hot when the plan made
+    hot_cold_accuracy  MoE-SpAc §4.3: at step t+1 an expert is predicted hot when the plan made
                     after step t had utility ≥ τ for it, and is actually hot when the verify
                     pass of step t+1 used it at least τ times (the utility scale maps frequency
                     f to min(f, K), so "utility ≥ τ" and "frequency ≥ τ" match). Accuracy is the

@@ -1,6 +1,6 @@
 """The speculative loop: draft γ tokens, verify γ+1 in one target pass, accept, trim, plan.
 
-One verification step (seed 004 §2–3):
+One verification step (MoE-SpAc §2–3):
 
     draft    γ single-token decodes of the draft context (the first one also catches the draft
              up on the tokens it has not seen yet), each sampled from the draft's distribution q

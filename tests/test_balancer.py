@@ -1,4 +1,4 @@
-"""Heterogeneous Workload Balancer against brute-force search over τ (seed 004, Eq. 9–12)."""
+"""Heterogeneous Workload Balancer against brute-force search over τ (MoE-SpAc §3.3, Eq. 9–12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Speculative Utility Estimator against hand-worked runs of Algorithm 1 (seed 004)."""
+"""Speculative Utility Estimator against hand-worked runs of Algorithm 1 (MoE-SpAc §3.2)."""
 
 from __future__ import annotations
 

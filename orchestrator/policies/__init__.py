@@ -3,7 +3,7 @@
 The interface is in `base` (`Policy`, `PolicyContext`, `Feedback`); a policy turns the routing
 of the last verify pass and its own state into an `orchestrator.plan.Plan`.
 
-A policy is a combination (SpecMD's framework, seed 001) of four choices:
+A policy is a combination (SpecMD's framework, SpecMD §3.1) of four choices:
 
     ranking   which experts deserve a slot: lru, lfu, least-stale, score (routing weight),
               utility (MoE-SpAc's Algorithm 1), lookahead (the draft's routing, MoE-SpeQ),
@@ -25,12 +25,12 @@ on miss, which is what a llama.cpp user gets (upstream computes misses on the CP
     lru             lru/layer     fetch   pass    resident  Mixtral-offloading
     lru-global      lru           fetch   pass    resident  one LRU pool over all layers
     lfu             lfu           fetch   pass    resident  MoE-Infinity
-    least-stale     least-stale   fetch   pass    resident  SpecMD (seed 001)
+    least-stale     least-stale   fetch   pass    resident  SpecMD §4.2
     score           score         fetch   pass    resident  Zhu et al., as benchmarked by SpecMD
     hybrimoe        score (decay) greedy  pass    resident  HybriMoE
-    specmoe         hot set       fetch   pass    resident  SpecMoE (seed 003)
-    moe-speq        lookahead     fetch   draft   resident  MoE-SpeQ (seed 000)
-    moe-spac-paper  utility       host    pass    tau       MoE-SpAc (seed 004), Algorithm 1 as written
+    specmoe         hot set       fetch   pass    resident  SpecMoE §III-B
+    moe-speq        lookahead     fetch   draft   resident  MoE-SpeQ §3.3
+    moe-spac-paper  utility       host    pass    tau       MoE-SpAc §3.2, Algorithm 1 as written
     spac            spac          greedy  draft   resident  spac's default (`default`)
     belady          belady        host    pass    resident  future knowledge (not the limit: `sim.limit`)
     <ranking>/host  the zoo: each ranking above with host compute on miss

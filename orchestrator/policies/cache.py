@@ -5,7 +5,7 @@
 - `LFU`: least frequently used, token-weighted counts over the whole run (MoE-Infinity's
   "least visit count" eviction).
 - `ScoreBased`: lowest accumulated routing weight (Zhu et al., as benchmarked by SpecMD).
-- `LeastStale`: SpecMD's policy (seed 001 §4.2): experts used in the current pass are
+- `LeastStale`: SpecMD's policy (SpecMD §4.2): experts used in the current pass are
   "current", the others "stale"; stale experts go first, current ones only when nothing else
   is left; inside each group first-in-first-out by layer position.
 

@@ -1,6 +1,6 @@
 """spac's default policy: a learned utility from the verify pass and the draft's own routing.
 
-Why not Algorithm 1 (seed 004) as written: its boundaries are floored integers calibrated
+Why not Algorithm 1 (MoE-SpAc §3.2) as written: its boundaries are floored integers calibrated
 towards |Δ|, and with γ+1 ≤ 17 verified tokens most Δ are 0 or ±1, so θ↑ and θ↓ sink to 1
 within a few steps (`spac sim accuracy` prints their mean): from then on any change moves the
 utility, the state machine only lags "used in the previous step", and it predicts the next
@@ -14,7 +14,7 @@ What the default uses instead, per (layer, expert), before each verify pass:
     d   tokens of the current draft that chose it (0, 1, 2, 3+)          the draft's lookahead
 
 The draft (the target's quantised self-draft, an MoE with the same experts) routes γ of the
-γ+1 tokens the next verify pass will route: its choices are a lookahead (MoE-SpeQ, seed 000)
+γ+1 tokens the next verify pass will route: its choices are a lookahead (MoE-SpeQ §3.3)
 fused here with the verify-pass statistics of MoE-SpAc. Rather than fixing weights for these
 features, the utility is learned online: a table over the feature cells counts, step after
 step, how often an expert in that cell was used by the following verify pass, and the utility

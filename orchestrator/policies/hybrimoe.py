@@ -1,4 +1,4 @@
-"""HybriMoE-like hybrid scheduling (Zhong et al. 2025, as described in seed 004 §5 / App. G).
+"""HybriMoE-like hybrid scheduling (Zhong et al. 2025, as described in MoE-SpAc §5 / App. G).
 
 Per layer, the simulator's "greedy" miss mode splits the experts that are not on the device
 between the two sides with HybriMoE's two-ended greedy: experts sorted by token count, the

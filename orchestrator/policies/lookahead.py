@@ -1,4 +1,4 @@
-"""MoE-SpeQ-like expert lookahead (seed 000 §3.3): when the draft is itself an MoE (MoE-SpeQ's
+"""MoE-SpeQ-like expert lookahead (MoE-SpeQ §3.3): when the draft is itself an MoE (MoE-SpeQ's
 quantised copy of the target), its routing of each drafted token predicts the experts the
 verify pass will need. As the draft produces tokens, the experts it chose are prefetched,
 layer by layer in execution order, into slots of experts it did not choose (least recently

@@ -1,4 +1,4 @@
-"""MoE-SpAc (seed 004): Speculative Utility Estimator + Heterogeneous Workload Balancer → Plan.
+"""MoE-SpAc §3: Speculative Utility Estimator + Heterogeneous Workload Balancer → Plan.
 
 After each verify pass: f_t → utilities s_{t+1} (`orchestrator.estimator.UtilityEstimator`,
 Algorithm 1) → τ per layer (`orchestrator.balancer.WorkloadBalancer`, Eq. 9–12) → a plan

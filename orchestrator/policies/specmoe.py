@@ -1,4 +1,4 @@
-"""SpecMoE-like hot set (seed 003): after each verify pass, the N experts of each layer that the
+"""SpecMoE-like hot set (SpecMoE §III-B): after each verify pass, the N experts of each layer that the
 pass used most are pinned on the device (SpecMoE's draft experts, chosen by temporal hotness);
 the verification fetches any other expert on demand into the rest of the pool, and those
 transient experts are the first to give their slot back.

@@ -1,4 +1,4 @@
-"""The paper's experiments (seed 004 §4) in simulation: plain functions over a trace.
+"""The paper's experiments (MoE-SpAc §4) in simulation: plain functions over a trace.
 
 - `compare`: all policies side by side (Table 2 in spirit).
 - `sweep_cache_ratio`: tokens/s against the expert cache ratio (Fig. 5 left).

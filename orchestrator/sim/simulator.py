@@ -1,6 +1,6 @@
 """Replay a routing trace through a policy under a hardware cost model.
 
-One verification step, as in seed 004 Fig. 3 (times from `profiles.CostModel`):
+One verification step, as in MoE-SpAc Fig. 3 (times from `profiles.CostModel`):
 
     drafting   γ draft tokens on the device; the copy engine runs meanwhile, serving the plan
                the policy made after the previous pass (one PCIe link, copies back to back)
@@ -27,7 +27,7 @@ them with a pass: a pass lasts at least its device work plus the copy in flight 
 
 An expert counts as on the device for a layer when its slot was claimed before the pass and
 its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
-maps are set once per ubatch) or before the layer starts (visibility "layer", seed 004 Fig. 3).
+maps are set once per ubatch) or before the layer starts (visibility "layer", MoE-SpAc Fig. 3).
 Slots are claimed when a plan is applied, so the pool never holds more than `capacity`
 experts. Experts copied inside the pass ("fetch", "greedy") count as misses.
 
