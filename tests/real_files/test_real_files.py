@@ -162,7 +162,7 @@ def stock_tokens_bytes(exe: Path, path: Path, prompt: str) -> bytes:
     return res.stdout
 
 
-CASES = [(a, t) for a in mrf.ARCHS for t in mrf.TYPES]
+CASES = [(a, t) for a in mrf.ARCHS for t in mrf.TYPES_OF.get(a, mrf.TYPES)]
 
 
 @pytest.mark.parametrize("arch,ftype", CASES, ids=[f"{a}-{t}" for a, t in CASES])
