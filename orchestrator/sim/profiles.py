@@ -575,12 +575,12 @@ def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
     `ffn_*_exps` tensors divided by the expert count, and everything else of the block.
     draft=True: the profile of a draft model, whose per-token cost is its whole block plus the
     top_k experts each token reads (a dense draft has none). A hybrid's KV cache and recurrent
-    state are counted as the placement counts them (`placement.model_sizes`)."""
+    state are counted as the placement counts them (`model_sizes`)."""
     from pathlib import Path
 
     import gguf
 
-    from orchestrator.placement import model_sizes, recurrent_layers
+    from orchestrator.model_sizes import model_sizes, recurrent_layers
 
     reader = gguf.GGUFReader(str(path))
 
