@@ -17,10 +17,10 @@ Only the catch-up's entries are the target's: the drafted ones are dropped after
 (`fork`/`join`, which Session's draft loop calls for a draft whose drafted tokens cannot stay),
 and the next catch-up decodes the accepted tokens again with the verify pass's hidden states.
 
-`MtpDraft` has what Session's draft loop uses of an `llm.Context` (decode, logits, trim, fork,
-join, clear), so the loop is the same for every draft. The head's own MoE layer is not one of
-the target's: its routing says nothing about the target's experts and is left out of the
-lookahead (patch 0020 keeps it out of the pool and of the routing export too).
+`MtpDraft` has what Session's draft loop uses of an `llm.Context` (decode, logits, trim,
+reusable, fork, join, clear), so the loop is the same for every draft. The head's own MoE layer
+is not one of the target's: its routing says nothing about the target's experts and is left out
+of the lookahead (patch 0020 keeps it out of the pool and of the routing export too).
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ class MtpDraft:
             L.llama_memory_seq_rm(self.memory, 0, n_keep, -1)
             self.n_past = min(self.n_past, n_keep)
 
-    def can_trim(self, n_keep: int) -> bool:
-        return True  # a KV cache
+    def reusable(self, n_keep: int) -> int:
+        return n_keep  # a KV cache: a trim keeps every token before n_keep
 
     def fork(self) -> None:
         """From here on, drafted tokens: `join` drops them."""

@@ -566,10 +566,8 @@ class Session:
         # a recurrent state goes back only as far as a snapshot or a checkpoint reaches
         keep = self.ctx.reusable(keep)
         dctx = self.draft_ctx
-        if isinstance(dctx, Context):
+        if dctx is not None:
             dctx.trim(dctx.reusable(keep))
-        elif dctx is not None and not dctx.can_trim(keep):
-            dctx.clear()
         self._tokens = list(prompt[:keep + 1])  # the KV caches hold tokens[:-1]
         self._sync()
         self._tokens = list(prompt)
