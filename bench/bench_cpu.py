@@ -4,7 +4,7 @@ threads, in one run.
 For each file: stock `llama-bench` (built from the pinned tree, `scripts/build_native.py --stock`)
 with `--repack 0` and `--repack 1` (its default), and spac's target-only decoding (the model loaded
 as `spac generate` loads it, pool off as on a machine without a GPU, decoded through
-`orchestrator.llm`) with `--repack` as given (default: spac's default), both timed the same way:
+`orchestrator.engine.llm`) with `--repack` as given (default: spac's default), both timed the same way:
 tg = --n-gen single-token decodes of random tokens from an empty context (decoding, not sampling),
 pp = one --n-prompt-token prompt after a warm-up run of it. Printed: tok/s, the median of --repeats,
 spac ÷ llama.cpp's default and ÷ the better of its two settings (per phase and both at once),
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
 
-from orchestrator.host_layout import cpu_model_and_flags  # noqa: E402
+from orchestrator.engine.host_layout import cpu_model_and_flags  # noqa: E402
 
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b")
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "IQ4_NL")
@@ -110,10 +110,10 @@ def spac_bench(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int)
 
 def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -> dict:
     """In its own process: spac's target-only decoding of `path` (the model loaded as `spac
-    generate` loads it, no pool, through orchestrator.llm), timed as llama-bench times its runs."""
+    generate` loads it, no pool, through orchestrator.engine.llm), timed as llama-bench times its runs."""
     import numpy as np
 
-    from orchestrator.llm import Context, Model
+    from orchestrator.engine.llm import Context, Model
 
     model = Model(path, repack=repack)
     # one context for both phases (cleared in between), as large as llama-bench's larger one

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, Routing
-from orchestrator.plan import Plan
-from orchestrator.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, Routing
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.policies.plan import Plan
 
 
 VERIFY = [11, 22, 33, 44, 55, 66, 77, 88, 99]  # a γ = 8 verify batch

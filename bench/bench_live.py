@@ -49,9 +49,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from build_native import stock_program  # noqa: E402,F401  (bench_cpu imports it from here too)
-from orchestrator.cli import default_models  # noqa: E402
-from orchestrator.sampling import SamplingParams  # noqa: E402
-from orchestrator.speculative import Session, SessionConfig  # noqa: E402
+from orchestrator.cli.setup import default_models  # noqa: E402
+from orchestrator.decoding.sampling import SamplingParams  # noqa: E402
+from orchestrator.decoding.speculative import Session, SessionConfig  # noqa: E402
+from orchestrator.engine.pool import Budget, PoolDevice  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
@@ -152,7 +153,7 @@ def rpc_rows(common: dict, draft: Path, gamma: int, n: int, device: str, cache_d
     rows = []
     for budget in BUDGETS:
         cfg = SessionConfig(**{**common, "n_threads": 1, "engine": True}, n_gpu_layers=-1, draft=draft, gamma=gamma,
-                            device=device, budget_ratio=budget, calibration_cache=cache_dir / f"cal-{budget}.json")
+                            pool=(PoolDevice(device or "CPU", Budget(ratio=budget)),), calibration_cache=cache_dir / f"cal-{budget}.json")
         rows.append(spac_row(f"RPC {budget:.0%} static + speculative", f"≤{gamma}", cfg, n, StaticPlacement))
         rows.append(spac_row(f"RPC {budget:.0%} spac default + speculative", f"≤{gamma}", cfg, n))
     return rows
@@ -255,7 +256,7 @@ def main() -> None:
         rows.append(peer)
     with contextlib.ExitStack() as stack:
         if args.rpc:
-            from orchestrator.rpc import rpc_device  # the RPC server on 127.0.0.1, registered here
+            from orchestrator.engine.rpc import rpc_device  # the RPC server on 127.0.0.1, registered here
 
             device = stack.enter_context(rpc_device(n_threads=1))
             cache = Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from orchestrator.balancer import UnitCosts, WorkloadBalancer
-from orchestrator.estimator import UtilityEstimator
-from orchestrator.governor import Governor, GovernorConfig
-from orchestrator.plan import Plan, StepRouting
+from orchestrator.decoding.governor import Governor, GovernorConfig
+from orchestrator.policies.balancer import UnitCosts, WorkloadBalancer
+from orchestrator.policies.estimator import UtilityEstimator
+from orchestrator.policies.plan import Plan, StepRouting
 
 N_LAYER, N_EXPERT, TOP_K, GAMMA = 48, 128, 8, 8
 
@@ -110,9 +110,9 @@ def governor_us(accept: float, verify, draft_s: float, n_steps: int) -> float:
 def loop_us(draft: str, n_tokens: int, n_threads: int, runs: int) -> tuple[float, float, float]:
     """Medians over `runs` fresh sessions on the shipped target (as `spac generate` runs it):
     (µs per step outside llama_decode, tok/s, drafted tokens per step)."""
-    import orchestrator.llm as llm
-    from orchestrator.options import default_models
-    from orchestrator.speculative import Session, SessionConfig
+    import orchestrator.engine.llm as llm
+    from orchestrator.cli.setup import default_models
+    from orchestrator.decoding.speculative import Session, SessionConfig
 
     target, default_draft = default_models()
     inside = [0.0]

@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_overlap.py --preset mixtral-8x7b --n-layer 2
 
 The device is a ggml RPC server on 127.0.0.1 computing with 1 thread; the host computes with 1
-thread. Model: synthetic layers of a named model (orchestrator.synthetic_models.PRESETS: the real
+thread. Model: synthetic layers of a named model (orchestrator.modelio.synthetic_models.PRESETS: the real
 shapes, random Q4_0 weights, a 512-token vocabulary). Pass: a verify batch of γ+1 = 9 tokens.
 
 The work outside the experts (attention, router, norms) runs on the host in every configuration
@@ -29,7 +29,7 @@ per configuration:
   host / device alone τ = 5, overlap graph with the other half left out (wrong outputs, timing only)
 Then a sweep of τ = 1..K+1 (overlapped; K+1 = nothing on the device) with each half alone at
 every τ, unit costs fitted to those (host: per activation, device: per distinct expert), and
-the balancer's τ (orchestrator.balancer.solve_threshold fed those costs) timed against the
+the balancer's τ (orchestrator.policies.balancer.solve_threshold fed those costs) timed against the
 sweep's best.
 """
 
@@ -45,13 +45,13 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.balancer import UnitCosts, WorkloadStats, solve_threshold
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, Routing
-from orchestrator.rpc import rpc_device
-from orchestrator.plan import Plan
-from orchestrator.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, Routing
+from orchestrator.engine.rpc import rpc_device
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.policies.balancer import UnitCosts, WorkloadStats, solve_threshold
+from orchestrator.policies.plan import Plan
 
 VERIFY = [11, 22, 33, 44, 55, 66, 77, 88, 99]  # γ = 8: a verify batch of 9 tokens
 K = 8

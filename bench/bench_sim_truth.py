@@ -6,7 +6,7 @@
 1. Profile: `spac sim profile measure` of this machine, on the target's own file, with 9 timed
    passes per point (--profile-repeats; the one-token expert time moved by 10% between two
    profiles of 3): the host with 1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
-   the draft's tokens on the host (orchestrator/profile_measure.py), the host and the RPC server
+   the draft's tokens on the host (orchestrator/cli/profile_measure.py), the host and the RPC server
    pinned to one CPU each for the whole run (--no-pin leaves them to the scheduler). --profile FILE
    reuses one.
    --device CUDA0 -t 8 measures a real GPU instead, with that many host threads (README: "Checked
@@ -16,7 +16,7 @@
    weights on the RPC device (-ngl 99) and the expert pool on it, greedy, the same prompts for
    every row; rows = pool budget 25% and 50% × static placement (llama.cpp's --n-cpu-moe) and
    spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive. Each
-   row records its routing trace (`orchestrator.record`'s writer on the session) and its decode
+   row records its routing trace (`orchestrator.cli.record`'s writer on the session) and its decode
    tok/s (prefill excluded), summed over the prompts, timed once the pool holds the warm-up's plan
    (the simulator places its first plan for free).
 3. Predicted: each row's trace replayed by the simulator with the measured profile, the same
@@ -170,13 +170,14 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     """One configuration: open, warm up, generate every prompt greedily, record the trace."""
     from orchestrator.policies.default import LookaheadUtility
     from orchestrator.policies.static import StaticPlacement
-    from orchestrator.sampling import SamplingParams
+    from orchestrator.decoding.sampling import SamplingParams
     from orchestrator.sim.trace import TraceWriter
-    from orchestrator.speculative import Session, SessionConfig
+    from orchestrator.decoding.speculative import Session, SessionConfig
+    from orchestrator.engine.pool import Budget, PoolDevice
 
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
-                        n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, engine=True, device=device,
-                        budget_ratio=row.budget, calibration_cache=cache, mmap=args.mmap)
+                        n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, engine=True,
+                        pool=(PoolDevice(device or "CPU", Budget(ratio=row.budget)),), calibration_cache=cache, mmap=args.mmap)
     policy = StaticPlacement() if row.policy == "static" else LookaheadUtility(miss="cpu")  # the session's default
     with Session(cfg, policy=policy) as s:
         s.complete(WARM_UP, max_tokens=16)
@@ -236,10 +237,10 @@ def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_overlap as bo
 
-    from orchestrator.llm import Model
-    from orchestrator.profile_measure import measure
+    from orchestrator.engine.llm import Model
+    from orchestrator.cli.profile_measure import measure
     from orchestrator.sim import profiles
-    from orchestrator.synthetic_models import PRESETS
+    from orchestrator.modelio.synthetic_models import PRESETS
 
     cfg = PRESETS["olmoe-1b-7b"]
     path = bo.synthetic_layers(tmp, "olmoe-1b-7b", 4)
@@ -378,8 +379,8 @@ def main() -> None:
         print(f"writing the memory-bound target {target} (once)", file=sys.stderr)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_memory_bound_target.py"), str(target)], check=True)
 
-    from orchestrator.rpc import rpc_device
-    from orchestrator.profile_measure import cpu_name, measure, measure_to_file  # noqa: F401
+    from orchestrator.engine.rpc import rpc_device
+    from orchestrator.cli.profile_measure import cpu_name, measure, measure_to_file  # noqa: F401
     from orchestrator.sim import profiles
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.cli import default_models
-from orchestrator.sampling import SamplingParams
+from orchestrator.cli.setup import default_models
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.decoding.speculative import Session, SessionConfig
+from orchestrator.engine.pool import Budget, PoolDevice
 from orchestrator.policies.spac import Ablations
-from orchestrator.speculative import Session, SessionConfig
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
@@ -30,7 +31,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    
 
 
 def random_models(d: Path) -> tuple[Path, Path]:
-    from orchestrator.gguf_export import make_random_model, tiny_config
+    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
     cfg = tiny_config("qwen3moe", n_layer=4, n_embd=128, n_expert=16, n_expert_used=4, n_ff_exp=64, n_head=4,
                       head_dim=32)
@@ -73,7 +74,7 @@ def main() -> None:
 
     def config(no_sd: bool) -> SessionConfig:
         return SessionConfig(model=target, draft=draft, gamma=args.gamma, n_threads=args.threads,
-                             engine=False if args.no_engine else None, budget_ratio=args.budget,
+                             engine=False if args.no_engine else None, pool=(PoolDevice("CPU", Budget(ratio=args.budget)),),
                              calibration_cache=Path(tmp.name) / "cal.json", ablations=Ablations(no_sd=no_sd))
 
     spec, ar = Session(config(False)), Session(config(True))

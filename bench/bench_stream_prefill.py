@@ -44,13 +44,13 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.host_layout import cpu_model_and_flags
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, Routing
-from orchestrator.plan import Plan
-from orchestrator.rpc import rpc_device
-from orchestrator.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.engine.host_layout import cpu_model_and_flags
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, Routing
+from orchestrator.engine.rpc import rpc_device
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.policies.plan import Plan
 
 
 def prefill_rows(args, cfg, path: Path, model: Model, device: str, n_tokens: int) -> list[dict]:

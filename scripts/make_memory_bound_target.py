@@ -48,8 +48,8 @@ import numpy as np
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.gguf_export import atomic_path, read_config  # noqa: E402
-from orchestrator.hot_experts import _copy_metadata  # noqa: E402
+from orchestrator.modelio.gguf_export import atomic_path, read_config  # noqa: E402
+from orchestrator.modelio.hot_experts import _copy_metadata  # noqa: E402
 from orchestrator.models import MODELS_DIR  # noqa: E402
 
 SOURCE = MODELS_DIR / "spac-tiny-moe-f16.gguf"

@@ -30,8 +30,8 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
 
 
 def check(path: Path, n_tokens: int = 16) -> dict:

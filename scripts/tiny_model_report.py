@@ -37,7 +37,7 @@ import torch
 from train_tiny_moe import LM, eval_windows
 
 from orchestrator import models
-from orchestrator.hot_experts import hot_experts, slice_experts
+from orchestrator.modelio.hot_experts import hot_experts, slice_experts
 from orchestrator.models import sha256_file
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.llm import Context, Model
+from orchestrator.engine.llm import Context, Model
 
 
 def first_mismatch(got: list[list[int]], want: list[list[int]]) -> tuple[int, int] | None:

@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
+from orchestrator.engine.native import engine_built
 from orchestrator.models import MODELS_DIR, default_model, sha256_file
-from orchestrator.native import engine_built
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = default_model("target")
@@ -259,7 +258,7 @@ def test_full_disk_is_one_line():
 
 
 def test_sim_out_without_matplotlib_keeps_the_data(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; from orchestrator.cli import main; "
+    code = ("import sys; sys.modules['matplotlib'] = None; from orchestrator.cli.main import main; "
             "sys.argv[0] = 'spac'; main()")
     res = spac("sim", "run", "--steps", "5", "-p", "lru", "--out", str(tmp_path), python_code=code)
     assert res.returncode == 0, res.err
@@ -294,44 +293,93 @@ def test_cpu_test_device_json_reports_the_pool():
 
 # ----------------------------------------------------------------------------- interrupts
 
-def _start(*args) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out: list[str] = []
-    threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True).start()
-    return proc, out
+class _Run:
+    """The CLI in a subprocess, as `spac` would be run (or python_code, as in `spac`); its stdout
+    and stderr collected as they come, one character at a time, into `out` and `err`."""
+
+    def __init__(self, *args: str, python_code: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "orchestrator.cli", *args] if python_code is None else \
+            [sys.executable, "-c", python_code, *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=lambda f=f, into=into: into.extend(iter(lambda: f.read(1), "")),
+                                          daemon=True) for f, into in ((self.proc.stdout, self.out),
+                                                                       (self.proc.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    def text(self) -> str:
+        return "".join(self.out)
+
+    def wait_for(self, done, what: str, seconds: float = 120, stream: str = "out") -> None:
+        """Until done(the stream's text so far) (done: a function, or a text it must hold); fails
+        naming `what` if the process ends first or `seconds` pass."""
+        test = done if callable(done) else (lambda text: done in text)
+        chars = self.out if stream == "out" else self.err
+        deadline = time.monotonic() + seconds
+        while not test("".join(chars)):
+            rc = self.proc.poll()
+            if rc is not None or time.monotonic() > deadline:
+                why = f"it exited with {rc}" if rc is not None else f"not within {seconds} s"
+                pytest.fail(f"waiting for {what}: {why}\nstdout: {self.text()[-2000:]}\n"
+                            f"stderr: {''.join(self.err)[-2000:]}")
+            time.sleep(0.01)
+
+    def write(self, line: str) -> None:
+        self.proc.stdin.write(line)
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 30) -> int:
+        """The exit code, once the process has ended and all of its output is read."""
+        rc = self.proc.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout)  # end of file once the process is gone
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
 
 
-def _wait_for(out: list[str], text: str, proc, seconds: float = 60) -> None:
-    deadline = time.time() + seconds
-    while text not in "".join(out):
-        assert time.time() < deadline and proc.poll() is None, "".join(out)
-        time.sleep(0.05)
+# `--json` prints nothing until the end: `Session.on_verify_step`, the hook the server uses, prints
+# this line on stderr once the first verification step is done, so a Ctrl-C after it lands in the
+# generation loop (not in the loading, whose Ctrl-C is another case)
+_GENERATING = "spac-test: generating"
+_SAY_WHEN_GENERATING = (
+    "import sys\nfrom orchestrator.decoding.speculative import Session\ninit = Session.__init__\n"
+    "def hooked(self, *a, **k):\n    init(self, *a, **k)\n    said = []\n"
+    "    def first_step(seconds):\n        if not said:\n"
+    f"            said.append(1); print({_GENERATING!r}, file=sys.stderr, flush=True)\n"
+    "    self.on_verify_step = first_step\n"
+    "Session.__init__ = hooked\n"
+    "from orchestrator.cli.main import main; sys.argv[0] = 'spac'; main()")
+
+
+def _at_prompt(text: str) -> bool:
+    """The chat's prompt `> ` is the last thing it printed: it waits for a line."""
+    return text.endswith("\n> ")
 
 
 @pytest.mark.parametrize("json_out", [False, True])
 def test_ctrl_c_in_generate_says_interrupted_exit_130(json_out):
     args = ["generate", "x", "-t", "1", "-n", "-1", "-c", "100000", "--temp", "0"] + (["--json"] if json_out else [])
-    proc, out = _start(*args)
+    run = _Run(*args, python_code=_SAY_WHEN_GENERATING if json_out else None)
     try:
-        if json_out:  # nothing is printed until the end: wait until it has computed for a while
-            deadline = time.time() + 60
-            while psutil.Process(proc.pid).cpu_times().user < 5.0:
-                assert time.time() < deadline and proc.poll() is None
-                time.sleep(0.1)
+        if json_out:
+            run.wait_for(_GENERATING, "the first verification step", stream="err")
         else:
-            _wait_for(out, "0", proc)  # streaming
-        assert proc.poll() is None
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(timeout=30)
+            run.wait_for("0", "the first generated text")  # streaming
+        assert run.proc.poll() is None
+        run.proc.send_signal(signal.SIGINT)
+        rc = run.finish()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    time.sleep(0.2)
-    err = proc.stderr.read()
+        run.kill()
+    err = "".join(run.err)
     assert rc == 130, err
     if json_out:
-        assert json.loads("".join(out).strip().splitlines()[-1])["stop_reason"] == "interrupted", err
+        assert json.loads(run.text().strip().splitlines()[-1])["stop_reason"] == "interrupted", err
     else:
         assert "stop: interrupted" in err
 
@@ -342,31 +390,33 @@ def test_ctrl_c_while_loading_is_never_lost():
     code = ("import os, signal, sys; import llama_cpp as L; load = L.llama_model_load_from_file\n"
             "def slow_load(*a):\n    os.kill(os.getpid(), signal.SIGINT); return load(*a)\n"
             "L.llama_model_load_from_file = slow_load\n"
-            "from orchestrator.cli import main; sys.argv[0] = 'spac'; main()")
+            "from orchestrator.cli.main import main; sys.argv[0] = 'spac'; main()")
     res = spac("generate", "x", "-t", "1", "-n", "-1", python_code=code, timeout=60)
     assert res.returncode == 130, res.err
     assert "Exception ignored" not in res.err and "Traceback" not in res.err and "interrupted" in res.err
 
 
 def test_chat_double_ctrl_c_keeps_the_session():
-    proc, out = _start("chat", "-t", "1", "-n", "-1", "-c", "100000", "--temp", "0")
+    run = _Run("chat", "-t", "1", "-n", "-1", "-c", "100000", "--temp", "0")
     try:
-        _wait_for(out, "Ctrl-C stops", proc)
-        proc.stdin.write("tell me\n")
-        proc.stdin.flush()
-        time.sleep(2.0)
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)  # a quick double press
-        time.sleep(1.5)
-        assert proc.poll() is None, "a quick second Ctrl-C must not end the session"
-        proc.stdin.write("/exit\n")
-        proc.stdin.flush()
-        rc = proc.wait(timeout=30)
+        run.wait_for("Ctrl-C stops", "the chat's help line")
+        run.wait_for(_at_prompt, "the prompt")
+        asked = len(run.text())
+        run.write("tell me\n")
+        run.wait_for(lambda text: len(text) > asked, "the answer's first line")  # generating
+        run.proc.send_signal(signal.SIGINT)
+        run.wait_for(lambda text: "| interrupted" in text[asked:] and _at_prompt(text),
+                     "the prompt after the stopped answer")
+        pressed = len(run.text())
+        run.proc.send_signal(signal.SIGINT)  # a quick double press: at the prompt, at once
+        run.wait_for(lambda text: "> " in text[pressed:],
+                     "the prompt again: a quick second Ctrl-C must not end the session")
+        assert run.proc.poll() is None, "a quick second Ctrl-C must not end the session"
+        run.write("/exit\n")
+        rc = run.finish()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert rc == 0 and "bye" in "".join(out)
+        run.kill()
+    assert rc == 0 and "bye" in run.text()
 
 
 def test_chat_full_context_hints_reset_and_drops_the_failed_turn():

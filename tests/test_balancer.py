@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.balancer import (
+from orchestrator.policies.balancer import (
     FIXED_THRESHOLD,
     UnitCosts,
     WorkloadBalancer,

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.cli import app, default_models, parse_budget
-from orchestrator.gguf_export import make_random_model, tiny_config
-from orchestrator.native import engine_built
+from orchestrator.cli.main import _DOUBLE_CTRL_C_S, app
+from orchestrator.cli.setup import default_models
+from orchestrator.engine.native import engine_built
+from orchestrator.engine.pool import Budget
+from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +58,7 @@ def test_generate_json(models, engine_args):
     assert 1 <= out["n_tokens"] <= 16 and out["mode"] == "speculative"
     assert isinstance(out["text"], str)
     # the generated ids, as llama-server's /completion returns them: an ending EOG token included
-    from orchestrator.llm import Model
+    from orchestrator.engine.llm import Model
 
     m = Model(target, repack="off")
     try:
@@ -110,27 +112,40 @@ def test_ctrl_c_returns_to_prompt_then_exits(models, tmp_path, engine_args):
         [sys.executable, "-m", "orchestrator.cli", "chat", "-m", str(target), "-md", str(draft),
          "-n", "1000000", "-c", "60000", "--temp", "0", "-t", "1", *engine_args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(proc.stdout.readline, "")), daemon=True)
+    out: list[str] = []  # stdout as it comes, one character at a time: the prompt ends no line
+    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
     reader.start()
+
+    def wait_for(done, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not done("".join(out)):
+            assert time.monotonic() < deadline and proc.poll() is None, f"waiting for {what}: " + "".join(out)
+            time.sleep(0.01)
+
+    def at_prompt(text: str) -> bool:  # `> ` is the last thing printed: the chat waits for a line
+        return text.endswith("\n> ")
+
     try:
-        deadline = time.time() + 60
-        while not any("Ctrl-C stops" in line for line in out):
-            assert time.time() < deadline and proc.poll() is None, "".join(out) + proc.stderr.read()
-            time.sleep(0.1)
+        wait_for(lambda text: "Ctrl-C stops" in text and at_prompt(text), "the prompt")
+        asked = len("".join(out))
         proc.stdin.write("tell me\n")
         proc.stdin.flush()
-        time.sleep(2.0)  # generating (a million tokens would take minutes)
+        # generating (a million tokens would take minutes)
+        wait_for(lambda text: len(text) > asked, "the answer's first line")
         assert proc.poll() is None
         proc.send_signal(signal.SIGINT)
-        time.sleep(1.5)
+        wait_for(lambda text: "| interrupted" in text[asked:] and at_prompt(text),
+                 "the prompt after the stopped answer")
         assert proc.poll() is None, "first Ctrl-C must return to the prompt"
+        # a Ctrl-C this soon after the one that stopped the answer is its double press and is
+        # ignored (the chat's own window, which opened before the prompt was printed): let it pass
+        time.sleep(_DOUBLE_CTRL_C_S + 0.1)
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    reader.join(timeout=5)
+    reader.join(timeout=30)
     text = "".join(out)
     assert rc == 0, text + proc.stderr.read()
     assert "interrupted" in text and "bye" in text
@@ -176,10 +191,10 @@ def test_generate_with_no_model_arguments():
 
 
 def test_parse_budget():
-    assert parse_budget("25%") == (0, 0.25)
-    assert parse_budget("512M") == (512_000_000, 0.0)
-    assert parse_budget("2GiB") == (2 << 30, 0.0)
-    assert parse_budget("123") == (123, 0.0)
+    assert Budget.parse("25%") == Budget(0, 0.25)
+    assert Budget.parse("512M") == Budget(512_000_000, 0.0)
+    assert Budget.parse("2GiB") == Budget(2 << 30, 0.0)
+    assert Budget.parse("123") == Budget(123, 0.0)
 
 
 def _fake_sysfs(root: Path, siblings: list[str], performance: str | None = None) -> Path:
@@ -194,7 +209,7 @@ def _fake_sysfs(root: Path, siblings: list[str], performance: str | None = None)
 
 
 def test_default_threads_are_the_physical_cores_as_llama_cpp(tmp_path):
-    from orchestrator.options import default_threads
+    from orchestrator.cli.options import default_threads
 
     # 4 cores with 2 hardware threads each (siblings 0+4, 1+5, ...): 4 threads
     assert default_threads(_fake_sysfs(tmp_path / "smt", ["11", "22", "44", "88"] * 2)) == 4

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import LLAMA_CPP_TREE, ROOT, compile_native
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine
-from orchestrator.plan import Plan
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine
+from orchestrator.engine.pool import StreamPrefill
+from orchestrator.policies.plan import Plan
 
 ARCHS = ["olmoe", "llama", "deepseek2", "gpt-oss", "qwen3moe", "qwen2moe"]
 
@@ -94,7 +95,7 @@ def test_streamed_prefill_is_bit_identical_on(arch_models, arch):
     try:
         reference = prefill()
         rng = np.random.default_rng(0)
-        with ExpertEngine(ctx.ptr, path, budget_ratio=0.6, stream_prefill=True) as engine:
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.6, stream_prefill=StreamPrefill.AHEAD) as engine:
             L, E = engine.n_moe_layers, engine.n_expert
             for _ in range(3):
                 engine.set_plan(Plan(rng.integers(0, 5, (L, E)).astype(np.uint8), rng.integers(1, 5, L).astype(np.int32)))

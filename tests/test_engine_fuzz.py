@@ -12,10 +12,10 @@ import os
 
 import numpy as np
 
-from orchestrator.gguf_export import make_random_model
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, lib
-from orchestrator.plan import Plan
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, lib
+from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.policies.plan import Plan
 
 from engine_common import model_config, run_sequence
 

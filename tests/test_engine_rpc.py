@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.gguf_export import make_random_model
-from orchestrator.native import graph_n_crossings, graph_n_splits
-from orchestrator.plan import Plan
+from orchestrator.engine.native import graph_n_crossings, graph_n_splits
+from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.policies.plan import Plan
 
 from engine_common import PROMPT, model_config, rpc_main, run_in_own_process, run_sequence, tensor_reader
 
 
 def check_pool_on_rpc_device(rpc_device, tmp_path):
-    from orchestrator.llm import Context, Model
-    from orchestrator.native import ExpertEngine
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import ExpertEngine
 
     path = make_random_model(tmp_path / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
     model = Model(path, repack="off")
@@ -64,8 +64,8 @@ def check_device_ids_distinct(rpc_device, tmp_path):
     as it did when every non-resident expert went to one zero slot (patch 0013)."""
     from llama_cpp import llama_cpp as low
 
-    from orchestrator.llm import Context, Model
-    from orchestrator.native import ExpertEngine
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import ExpertEngine
 
     ggml = tensor_reader()
     seen = []

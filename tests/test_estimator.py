@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.estimator import FIXED_THETA_DOWN, FIXED_THETA_UP, UtilityEstimator
-from orchestrator.plan import StepRouting
+from orchestrator.policies.estimator import FIXED_THETA_DOWN, FIXED_THETA_UP, UtilityEstimator
+from orchestrator.policies.plan import StepRouting
 
 
 def run_single(est: UtilityEstimator, freqs: list[int]) -> list[tuple[int, int, int]]:

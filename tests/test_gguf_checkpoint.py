@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from export_tiny_models import load_checkpoint  # noqa: E402
 from train_tiny_moe import LM  # noqa: E402
 
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf  # noqa: E402
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf  # noqa: E402
 
 needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not built")
 

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from orchestrator.gguf_export import (
+from orchestrator.modelio.gguf_export import (
     ARCHES,
     byte_level_bpe_tokenizer,
     make_random_model,

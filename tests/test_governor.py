@@ -1,11 +1,11 @@
-"""The adaptive draft length (orchestrator.governor) on simulated targets: no model, no timing."""
+"""The adaptive draft length (orchestrator.decoding.governor) on simulated targets: no model, no timing."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from orchestrator.governor import Governor, GovernorConfig
+from orchestrator.decoding.governor import Governor, GovernorConfig
 
 
 class Machine:

@@ -1,4 +1,4 @@
-"""The host weights' layout (`--repack auto|on|off`, orchestrator.host_layout): where every weight
+"""The host weights' layout (`--repack auto|on|off`, orchestrator.engine.host_layout): where every weight
 lands for each mode, with and without a GPU (the RPC device stands in for it), the plain twins
 a prompt reads, and greedy speculative decoding staying lossless on the new default kernels.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator import host_layout
-from orchestrator.gguf_export import make_random_model, tiny_config
-from orchestrator.llm import Context, Model
-from orchestrator.native import engine_built, model_tensor_buft
+from orchestrator.engine import host_layout
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import engine_built, model_tensor_buft
+from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
 from engine_common import rpc_main, run_in_own_process
 
@@ -200,8 +200,8 @@ def test_greedy_speculative_is_lossless_on_the_default_kernels(files, tmp_path, 
     Never by luck: every difference is checked, and the first one ends the comparison of that
     prompt (what follows it continues another text)."""
     from batch_gap import assert_lossless
-    from orchestrator.sampling import SamplingParams
-    from orchestrator.speculative import Session, SessionConfig
+    from orchestrator.decoding.sampling import SamplingParams
+    from orchestrator.decoding.speculative import Session, SessionConfig
 
     target = files[quant]
     draft = make_random_model(tmp_path / "draft.gguf", CFG, seed=5, quant="q4_0")

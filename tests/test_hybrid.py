@@ -15,9 +15,10 @@ import pytest
 
 import make_real_files as mrf  # scripts/, on pytest's pythonpath
 from batch_gap import assert_lossless
-from orchestrator.llm import Context, Model
-from orchestrator.sampling import SamplingParams
-from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.pool import Budget, PoolDevice
 
 HYBRIDS = ["qwen35moe", "qwen3next"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -180,7 +181,7 @@ def test_speculative_greedy_equals_target_only_on_a_hybrid(files, arch, tmp_path
     model.close()
     for draft in (path_of(files, arch, "f16"), POOL_DRAFT):
         steps: list[tuple[int, int]] = []
-        cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, device="CPU", budget_ratio=0.25)
+        cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
         for p, got, ref in zip(prompt_tokens, session_tokens(cfg, prompts, steps=steps), want):
             assert_lossless(target, p, got, ref)
         if draft != POOL_DRAFT:
@@ -194,7 +195,7 @@ def test_a_second_turn_reuses_the_state_or_starts_over(files, arch, tmp_path):
     leaves the cached one where no snapshot reaches starts over (cache_n = 0), same answer."""
     target = path_of(files, arch, "q8_0")
     cfg = SessionConfig(model=target, n_ctx=256, n_threads=2, repack="off", draft=POOL_DRAFT, gamma=4,
-                        adaptive_gamma=False, device="CPU", budget_ratio=0.5, calibration_cache=tmp_path / "cal.json")
+                        adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.5)),), calibration_cache=tmp_path / "cal.json")
     with Session(cfg) as s:
         first = s.complete(PROMPT, 12, (), GREEDY)
         turn = s.target.tokenize(PROMPT) + first.tokens + s.target.tokenize(" and then")
@@ -213,7 +214,7 @@ def test_a_second_turn_reuses_the_state_or_starts_over(files, arch, tmp_path):
 def test_streamed_prefill_of_a_hybrid_is_bit_identical(files, arch, mode):
     """A prompt's ubatches above the split size stream their experts through the pool's staging
     slots (patch 0016) on a hybrid too: the logits of every position equal an all-host prefill's."""
-    from orchestrator.native import ExpertEngine
+    from orchestrator.engine.native import ExpertEngine
 
     path = path_of(files, arch, "q8_0")
     model = Model(path, repack="off")
@@ -241,7 +242,7 @@ def test_a_prompt_that_leaves_the_cached_one_restores_a_checkpoint(files, arch, 
     the rest (cache_n = that prompt), with a fresh Session's answer."""
     target = path_of(files, arch, "q8_0")
     cfg = SessionConfig(model=target, n_ctx=256, n_threads=2, repack="off", draft=POOL_DRAFT, gamma=4,
-                        adaptive_gamma=False, device="CPU", budget_ratio=0.5, calibration_cache=tmp_path / "cal.json")
+                        adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.5)),), calibration_cache=tmp_path / "cal.json")
     with Session(cfg) as s:
         prompt = s.tokenize(PROMPT)
         first = s.complete(prompt, 12, (), GREEDY)

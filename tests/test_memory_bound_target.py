@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.gguf_export import read_config
-from orchestrator.llm import Context, Model
+from orchestrator.decoding.speculative import Session, SessionConfig
+from orchestrator.engine.llm import Context, Model
+from orchestrator.modelio.gguf_export import read_config
 from orchestrator.models import MODELS_DIR
-from orchestrator.speculative import Session, SessionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

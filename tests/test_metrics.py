@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from orchestrator.metrics import RunRecorder
+from orchestrator.decoding.metrics import RunRecorder
 
 
 class Clock:

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from orchestrator.gguf_export import (
+from orchestrator.modelio.gguf_export import (
     byte_level_bpe_tokenizer,
     make_random_model,
     read_config,
@@ -20,8 +20,8 @@ from orchestrator.gguf_export import (
     tiny_config,
     write_gguf,
 )
-from orchestrator.hot_experts import hot_experts, slice_experts
-from orchestrator.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.modelio.hot_experts import hot_experts, slice_experts
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,9 +167,9 @@ def test_synthetic_hybrid_with_mtp_layer_drafts(tmp_path):
     is proven to part them)."""
     from batch_gap import assert_lossless
 
-    from orchestrator.mtp_draft import MTP_DRAFT, MtpDraft
-    from orchestrator.sampling import SamplingParams
-    from orchestrator.speculative import Session, SessionConfig
+    from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft
+    from orchestrator.decoding.sampling import SamplingParams
+    from orchestrator.decoding.speculative import Session, SessionConfig
 
     cfg = small_hybrid(n_mtp=1)
     shapes = tensor_shapes(cfg)

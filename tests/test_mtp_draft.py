@@ -1,4 +1,4 @@
-"""The MTP head as a draft (issue 40, `orchestrator.mtp_draft`, patch 0020).
+"""The MTP head as a draft (issue 40, `orchestrator.decoding.mtp_draft`, patch 0020).
 
 On scripts/make_real_files.py's qwen35moe-mtp and qwen3next-mtp files (tiny random Qwen3.5-MoE
 and Qwen3-Next hybrids with one MTP layer, converted by llama.cpp's own converter with their
@@ -28,13 +28,14 @@ import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
 from batch_gap import assert_lossless
 
 import llama_cpp as L
-from orchestrator.cli import app
-from orchestrator.gguf_export import make_random_model, tiny_config
-from orchestrator.llm import Context, Model, ModelError
-from orchestrator.mtp_draft import MTP_DRAFT, MtpDraft, mtp_layers
-from orchestrator.native import ExpertEngine, Routing, engine_built, lib
-from orchestrator.sampling import SamplingParams
-from orchestrator.speculative import Session, SessionConfig
+from orchestrator.cli.main import app
+from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft, mtp_layers
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.decoding.speculative import Session, SessionConfig
+from orchestrator.engine.llm import Context, Model, ModelError
+from orchestrator.engine.native import ExpertEngine, Routing, engine_built, lib
+from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
 ARCHS = ["qwen35moe-mtp", "qwen3next-mtp"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -86,7 +87,7 @@ def test_mtp_draft_is_lossless(real_files, tmp_path, arch, ftype, pool):
     files = real_files[arch]
     base = dict(model=files[ftype], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
     want, prompts, _ = run(SessionConfig(**base, engine=False))
-    engine = dict(engine=True, device="CPU", budget_ratio=0.25) if pool == "on" else dict(engine=False)
+    engine = dict(engine=True, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) if pool == "on" else dict(engine=False)
     for adaptive in (False, True):  # every step drafts γ = 4; then γ as the governor picks it
         got, _, s = run(SessionConfig(**base, **engine, draft=MTP_DRAFT, gamma=4, adaptive_gamma=adaptive))
         assert s["mode"] == "speculative" and s["mtp"] and s["pool"] == (pool == "on")

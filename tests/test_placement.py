@@ -1,4 +1,4 @@
-"""The default placement rule (orchestrator.placement.place): a pure function of model sizes,
+"""The default placement rule (orchestrator.engine.placement.place): a pure function of model sizes,
 free device memory and the options, tested without a GPU; and the shared option block."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import inspect
 import pytest
 import typer
 
-from orchestrator.native import engine_built
-from orchestrator.options import OPTIONS, Budget, RunOptions, run_options
-from orchestrator.placement import (GPU, MARGIN, ModelSizes, PlacementError, layer_split, model_sizes, place,
-                                     place_several, pool_layer_ranges)
+from orchestrator.cli.options import OPTIONS, RunOptions, run_options
+from orchestrator.engine.native import engine_built
+from orchestrator.engine.placement import (GPU, MARGIN, ModelSizes, PlacementError, layer_split, model_sizes, place,
+                                           place_several, pool_layer_ranges)
+from orchestrator.engine.pool import Budget, PoolDevice
 
 GiB = 1 << 30
 # a Qwen3-30B-A3B-like Q4_K model: 48 layers, 16.5 GiB of experts, 1.5 GiB of the rest
@@ -31,15 +32,15 @@ def test_gpu_takes_every_layer_and_the_rest_goes_to_the_pool():
     p = place(QWEN, 4096, gpu, None, Budget())
     used = QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096
     assert p.device == "CUDA0" and p.n_gpu_layers == 48
-    assert p.pool_bytes == 12 * GiB - used - MARGIN
+    assert p.pool[0].budget.nbytes == 12 * GiB - used - MARGIN
     assert "48/48 layers on CUDA0" in p.note
 
 
 def test_pool_shrinks_with_the_context_and_is_capped_by_the_experts():
     gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
-    assert place(QWEN, 32768, gpu, None, Budget()).pool_bytes < place(QWEN, 4096, gpu, None, Budget()).pool_bytes
+    assert place(QWEN, 32768, gpu, None, Budget()).pool[0].budget.nbytes < place(QWEN, 4096, gpu, None, Budget()).pool[0].budget.nbytes
     big = GPU("CUDA0", free=80 * GiB, total=80 * GiB)
-    assert place(QWEN, 4096, big, None, Budget()).pool_bytes == QWEN.expert_bytes
+    assert place(QWEN, 4096, big, None, Budget()).pool[0].budget.nbytes == QWEN.expert_bytes
 
 
 def test_small_gpu_gets_some_layers_and_no_pool():
@@ -51,8 +52,8 @@ def test_small_gpu_gets_some_layers_and_no_pool():
 def test_overrides_win():
     gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
     p = place(QWEN, 4096, gpu, None, Budget(nbytes=4 * GiB), ngl="10")
-    assert p.n_gpu_layers == 10 and p.pool_bytes == 4 * GiB
-    assert place(QWEN, 4096, gpu, None, Budget(ratio=0.25)).pool_bytes == int(0.25 * QWEN.expert_bytes)
+    assert p.n_gpu_layers == 10 and p.pool[0].budget.nbytes == 4 * GiB
+    assert place(QWEN, 4096, gpu, None, Budget(ratio=0.25)).pool[0].budget.nbytes == int(0.25 * QWEN.expert_bytes)
     with pytest.raises(PlacementError, match="--expert-budget"):
         place(QWEN, 4096, gpu, None, Budget(nbytes=16 * GiB))
     off = place(QWEN, 4096, gpu, None, Budget(), engine=False)
@@ -61,11 +62,11 @@ def test_overrides_win():
 
 def test_cpu_test_device_and_named_devices():
     p = place(QWEN, 4096, None, "CPU", Budget())
-    assert p.device == "CPU" and p.pool_ratio == 0.25 and p.n_gpu_layers == 0
+    assert p.device == "CPU" and p.pool[0].budget.ratio == 0.25 and p.n_gpu_layers == 0
     all_of_it = place(QWEN, 4096, None, "CPU", Budget(nbytes=999 * GiB))
-    assert all_of_it.pool_bytes == QWEN.expert_bytes and "every expert" in all_of_it.note
+    assert all_of_it.pool[0].budget.nbytes == QWEN.expert_bytes and "every expert" in all_of_it.note
     rpc = place(QWEN, 4096, None, "RPC0[127.0.0.1:5000]", Budget(ratio=0.5), ngl="all")
-    assert rpc.device.startswith("RPC0") and rpc.pool_ratio == 0.5 and rpc.n_gpu_layers == 48
+    assert rpc.device.startswith("RPC0") and rpc.pool[0].budget.ratio == 0.5 and rpc.n_gpu_layers == 48
 
 
 def test_dense_model_has_no_pool():
@@ -112,18 +113,19 @@ def test_run_options_decorator_adds_the_shared_flags_once():
     opts = seen["opts"]
     assert seen["port"] == 1 and opts.temp == 0 and opts.seed == 5 and not opts.seed_random
     assert opts.threads == OPTIONS["threads"].default and opts.draft_max == 3
-    assert opts.expert_budget == Budget()
+    assert opts.pool == (PoolDevice(None, Budget()),)
 
 
 OFFLOAD_CHECK = """
 import sys
 from pathlib import Path
 import numpy as np
-from orchestrator.rpc import rpc_device
+from orchestrator.engine.rpc import rpc_device
 from engine_common import model_config, run_sequence
-from orchestrator.gguf_export import make_random_model
-from orchestrator.llm import Context, Model
-from orchestrator.speculative import Session, SessionConfig
+from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.engine.llm import Context, Model
+from orchestrator.decoding.speculative import Session, SessionConfig
+from orchestrator.engine.pool import Budget, PoolDevice
 
 path = make_random_model(Path(sys.argv[1]) / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
 with rpc_device() as dev:
@@ -136,8 +138,8 @@ with rpc_device() as dev:
     np.testing.assert_allclose(logits[99], logits[0], rtol=1e-4, atol=1e-4 * np.abs(logits[0]).max())
     texts = []
     for ngl, engine in ((0, False), (99, True)):
-        cfg = SessionConfig(model=path, n_ctx=128, n_threads=1, n_gpu_layers=ngl, engine=engine, device=dev,
-                            budget_ratio=0.5, calibration_cache=Path(sys.argv[1]) / "cal.json")
+        cfg = SessionConfig(model=path, n_ctx=128, n_threads=1, n_gpu_layers=ngl, engine=engine,
+                            pool=(PoolDevice(dev, Budget(ratio=0.5)),), calibration_cache=Path(sys.argv[1]) / "cal.json")
         with Session(cfg) as s:
             texts.append(s.complete([5, 17, 42, 99], max_tokens=16).tokens)
             assert (s.engine is not None) == engine
@@ -169,11 +171,11 @@ def test_the_staging_slots_of_streamed_prefill_come_before_the_pool():
     gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
     used = QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096
     p = place(STAGED, 4096, gpu, None, Budget())
-    assert p.stream_prefill and p.pool_bytes == 12 * GiB - used - MARGIN - STAGED.staging_bytes
+    assert p.stream_prefill and p.pool[0].budget.nbytes == 12 * GiB - used - MARGIN - STAGED.staging_bytes
     assert "staging slots for streamed prefill" in p.note
     # --stream-prefill off: nothing set aside
     off = place(STAGED, 4096, gpu, None, Budget(), stream=False)
-    assert off.pool_bytes == 12 * GiB - used - MARGIN and "staging" not in off.note
+    assert off.pool[0].budget.nbytes == 12 * GiB - used - MARGIN and "staging" not in off.note
 
 
 def test_streamed_prefill_gives_way_to_a_pool_with_no_room_beside_it():
@@ -181,7 +183,7 @@ def test_streamed_prefill_gives_way_to_a_pool_with_no_room_beside_it():
     # room for one slot per layer, not for that and the staging slots: the pool keeps it
     tight = GPU("CUDA0", free=used + MARGIN + STAGED.one_expert * 48 + STAGED.staging_bytes // 2, total=8 * GiB)
     p = place(STAGED, 4096, tight, None, Budget())
-    assert p.device == "CUDA0" and not p.stream_prefill and p.pool_bytes >= STAGED.one_expert * 48
+    assert p.device == "CUDA0" and not p.stream_prefill and p.pool[0].budget.nbytes >= STAGED.one_expert * 48
     assert "streamed prefill off" in p.note and "--stream-prefill off" in p.note
     # an explicit budget that fills the room: said once, in the placement's note
     gpu = GPU("CUDA0", free=12 * GiB, total=12 * GiB)
@@ -201,18 +203,19 @@ def test_model_sizes_count_the_staging_slots_of_each_slot_group():
 def test_a_session_on_a_gpu_without_room_for_staging_streams_nothing_and_says_why(monkeypatch):
     """Through the options: the header line says streamed prefill is off and the session's stream
     mode is off; an explicit --stream-prefill ahead is refused with exit 2 instead."""
-    import orchestrator.placement as placement
+    import orchestrator.cli.setup as setup_module  # the placement's inputs, as session_setup sees them
+    from orchestrator.cli.options import RunOptions
+    from orchestrator.cli.setup import session_setup
     from orchestrator.models import default_model
-    from orchestrator.options import RunOptions, session_setup
 
     target = default_model("target")
     s = model_sizes(target)
     used = s.non_expert_bytes + s.kv_bytes_per_token * 512
     # a "GPU" with room for a pool of one slot per layer and half the staging slots
     gpu = GPU("CUDA0", free=used + MARGIN + s.one_expert * s.n_layer + s.staging_bytes // 2, total=8 * GiB)
-    monkeypatch.setattr(placement, "first_gpu", lambda: gpu)
+    monkeypatch.setattr(setup_module, "first_gpu", lambda: gpu)
     setup = session_setup(RunOptions(model=target, ctx_size=512))
-    assert setup.config.stream_prefill == "off" and setup.config.device == "CUDA0"
+    assert setup.config.stream_prefill == "off" and setup.config.pool[0].name == "CUDA0"
     assert any("streamed prefill off" in n for n in setup.notes)
     with pytest.raises(typer.Exit) as e:
         session_setup(RunOptions(model=target, ctx_size=512, stream_prefill="ahead"))
@@ -236,14 +239,14 @@ def test_two_devices_each_pool_the_experts_of_their_own_layers():
     a, b = GPU("CUDA0", 24 * GiB, 24 * GiB), GPU("CUDA1", 24 * GiB, 24 * GiB)
     p = place_several(QWEN, 4096, [a, b], [Budget()])
     per_layer = (QWEN.non_expert_bytes + QWEN.kv_bytes_per_token * 4096) / 48
-    assert p.device == "CUDA0" and [d.name for d in p.extra_devices] == ["CUDA1"] and p.n_gpu_layers == 48
+    assert p.device == "CUDA0" and [d.name for d in p.pool[1:]] == ["CUDA1"] and p.n_gpu_layers == 48
     # each device: its layers' share of the experts, all of which fit in 24 GiB
-    assert p.pool_bytes == QWEN.expert_bytes * 25 // 48 and p.extra_devices[0].budget_bytes == QWEN.expert_bytes * 23 // 48
+    assert p.pool[0].budget.nbytes == QWEN.expert_bytes * 25 // 48 and p.pool[1].budget.nbytes == QWEN.expert_bytes * 23 // 48
     assert "CUDA0: layers 0..24" in p.note and "CUDA1: layers 25..47" in p.note and "100% of its experts" in p.note
     # two 8 GiB cards: each pool is what its card has left after its layers, the staging slots and the margin
     a, b = GPU("CUDA0", 8 * GiB, 8 * GiB), GPU("CUDA1", 8 * GiB, 8 * GiB)
     p = place_several(QWEN, 4096, [a, b], [Budget()])
-    assert p.pool_bytes == int(8 * GiB - per_layer * 25 - MARGIN) - QWEN.staging_bytes
+    assert p.pool[0].budget.nbytes == int(8 * GiB - per_layer * 25 - MARGIN) - QWEN.staging_bytes
     assert p.stream_prefill
 
 
@@ -254,8 +257,8 @@ def test_uneven_devices():
     p = place_several(QWEN, 4096, [big, small], [Budget()])
     n_big = layer_split(48, [24 * GiB, 8 * GiB])[0]
     assert n_big == 37 and f"CUDA0: layers 0..{n_big - 1}" in p.note and f"CUDA1: layers {n_big}..47" in p.note
-    assert p.pool_bytes == QWEN.expert_bytes * n_big // 48  # every expert of its layers fits
-    assert p.extra_devices[0].budget_bytes == QWEN.expert_bytes * (48 - n_big) // 48
+    assert p.pool[0].budget.nbytes == QWEN.expert_bytes * n_big // 48  # every expert of its layers fits
+    assert p.pool[1].budget.nbytes == QWEN.expert_bytes * (48 - n_big) // 48
     # a Qwen3-235B-A22B-like Q4_K model on a 24 and a 12 GiB card: neither holds its layers' experts,
     # each pool takes what its card has left
     big_model = ModelSizes(n_layer=94, expert_bytes=126 * GiB, non_expert_bytes=6 * GiB, kv_bytes_per_token=193536,
@@ -263,10 +266,10 @@ def test_uneven_devices():
     p = place_several(big_model, 4096, [big, GPU("CUDA1", 12 * GiB, 12 * GiB)], [Budget()])
     per_layer = (big_model.non_expert_bytes + big_model.kv_bytes_per_token * 4096) / 94
     counts = layer_split(94, [24 * GiB, 12 * GiB])
-    for pool, free, n in zip((p.pool_bytes, p.extra_devices[0].budget_bytes), (24 * GiB, 12 * GiB), counts):
+    for pool, free, n in zip((p.pool[0].budget.nbytes, p.pool[1].budget.nbytes), (24 * GiB, 12 * GiB), counts):
         assert pool == int(free - per_layer * n - MARGIN) - big_model.staging_bytes
     p = place_several(QWEN, 4096, [big, small], [Budget(nbytes=10 * GiB), Budget(ratio=0.5)])
-    assert (p.pool_bytes, p.pool_ratio) == (10 * GiB, 0.0) and p.extra_devices[0].budget_ratio == 0.5
+    assert (p.pool[0].budget.nbytes, p.pool[0].budget.ratio) == (10 * GiB, 0.0) and p.pool[1].budget.ratio == 0.5
     assert "CUDA1" in p.note and "50% of its experts" in p.note
     with pytest.raises(PlacementError, match="does not fit CUDA1"):
         place_several(QWEN, 4096, [big, small], [Budget(ratio=0.25), Budget(nbytes=8 * GiB)])
@@ -301,8 +304,8 @@ def test_pool_layer_ranges_follow_llama_cpps_placement():
 
 def test_device_and_budget_lists_parse():
     opts = RunOptions.from_cli(device="RPC0, RPC1", expert_budget="25%,512M")
-    assert (opts.device, opts.extra_devices) == ("RPC0", ("RPC1",))
-    assert (opts.expert_budget, opts.extra_budgets) == (Budget(ratio=0.25), (Budget(nbytes=512 * 1000**2),))
+    assert [d.name for d in opts.pool] == ["RPC0", "RPC1"]
+    assert [d.budget for d in opts.pool] == [Budget(ratio=0.25), Budget(nbytes=512 * 1000**2)]
     for device, budget, said in (("A,A", None, "distinct"), ("A,", None, "distinct"), ("A,CPU", None, "CPU"),
                                  ("A,B", "1%,2%,3%", "3 values for 2 device")):
         with pytest.raises(typer.Exit):
@@ -322,7 +325,7 @@ QWEN36 = ModelSizes(n_layer=40, expert_bytes=int(18.9 * GiB), non_expert_bytes=i
 
 def test_recurrent_states_are_the_contexts_llama_cpp_keeps():
     """The target's context: 1 + γ snapshots (n_rs_seq = γ) when it speculates; a pool draft's: two sequences."""
-    from orchestrator.placement import recurrent_states
+    from orchestrator.engine.placement import recurrent_states
 
     assert recurrent_states(8, True) == 11 and recurrent_states(8, False) == 9 and recurrent_states(0, False) == 1
 
@@ -331,7 +334,7 @@ def test_a_hybrids_recurrent_state_comes_out_of_the_pool():
     gpu = GPU("CUDA0", free=16 * GiB, total=16 * GiB)
     plain = place(QWEN36, 4096, gpu, None, Budget())
     p = place(QWEN36, 4096, gpu, None, Budget(), states=11)
-    assert p.pool_bytes == plain.pool_bytes - 10 * QWEN36.state_bytes == \
+    assert p.pool[0].budget.nbytes == plain.pool[0].budget.nbytes - 10 * QWEN36.state_bytes == \
         16 * GiB - QWEN36.non_expert_bytes - QWEN36.kv_bytes_per_token * 4096 - 11 * QWEN36.state_bytes - MARGIN
     assert p.state_bytes == 11 * QWEN36.state_bytes
     assert "40/40 layers on CUDA0, recurrent state 691 MiB (11 × 63 MiB), expert pool" in p.note
@@ -351,7 +354,7 @@ def test_model_sizes_of_a_hybrid_count_kv_in_full_attention_layers_only(tmp_path
     """A tiny qwen35moe file: layers 0-2 gated delta nets, layer 3 full attention. Its KV cache
     and recurrent state per sequence are what llama.cpp allocates (llama_kv_cache and
     llama_memory_recurrent's sizes in its log, checked on spac's real qwen35moe and qwen3next files)."""
-    from orchestrator.gguf_export import make_random_model, tiny_config
+    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
     cfg = tiny_config("qwen35moe")
     s = model_sizes(make_random_model(tmp_path / "h.gguf", cfg))
@@ -391,7 +394,7 @@ def test_model_sizes_leave_out_a_hybrids_mtp_layer(tmp_path):
 
 
 def test_recurrent_layer_flags_win_over_the_interval():
-    from orchestrator.placement import recurrent_layers
+    from orchestrator.engine.placement import recurrent_layers
 
     keys = {"qwen35moe.attention.recurrent_layers": [True, False, True, True]}
     assert recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen35moe", 4) == [True, False, True, True]
@@ -403,19 +406,19 @@ def test_recurrent_layer_flags_win_over_the_interval():
 def test_dry_run_of_a_hybrid_counts_its_states(tmp_path, monkeypatch):
     """Through the options, as `spac generate --dry-run`: the target's γ snapshots and the pool
     draft's two states on the GPU; with the pool off (no GPU), no draft and one state."""
-    import orchestrator.placement as placement
-    from orchestrator.gguf_export import make_random_model, tiny_config
-    from orchestrator.options import session_setup
+    import orchestrator.cli.setup as setup_module  # the placement's inputs, as session_setup sees them
+    from orchestrator.cli.setup import session_setup
+    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
     path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
     s = model_sizes(path)
-    monkeypatch.setattr(placement, "first_gpu", lambda: GPU("CUDA0", 8 * GiB, 8 * GiB))
-    monkeypatch.setattr(placement, "devices", lambda: [("CUDA0", 1, 8 * GiB, 8 * GiB)])
+    monkeypatch.setattr(setup_module, "first_gpu", lambda: GPU("CUDA0", 8 * GiB, 8 * GiB))
+    monkeypatch.setattr(setup_module, "devices", lambda: [("CUDA0", 1, 8 * GiB, 8 * GiB)])
     setup = session_setup(RunOptions(model=path, ctx_size=512, draft_max=6))
     assert setup.state_bytes == (1 + 6 + 2) * s.state_bytes and "recurrent state" in setup.notes[-1]
     assert session_setup(RunOptions(model=path, ctx_size=512, draft="none")).state_bytes == s.state_bytes
-    monkeypatch.setattr(placement, "first_gpu", lambda: None)
-    monkeypatch.setattr(placement, "devices", lambda: [])
+    monkeypatch.setattr(setup_module, "first_gpu", lambda: None)
+    monkeypatch.setattr(setup_module, "devices", lambda: [])
     off = session_setup(RunOptions(model=path, ctx_size=512))
     assert off.config.draft is None and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
 
@@ -428,8 +431,8 @@ def test_dry_run_json_of_a_hybrid(tmp_path):
 
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
-    from orchestrator.gguf_export import make_random_model, tiny_config
+    from orchestrator.cli.main import app
+    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
     path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
     one = model_sizes(path).state_bytes

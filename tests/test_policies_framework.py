@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from orchestrator.policies import COMBINATIONS, DEFAULT, POLICIES, ZOO, make_policy
-from orchestrator.plan import StepRouting
 from orchestrator.policies.base import Feedback, PolicyContext
 from orchestrator.policies.default import LookaheadUtility
+from orchestrator.policies.plan import StepRouting
 from tests.test_sim_costs import run
 
 MISS = {"host": "cpu", "fetch": "fetch", "greedy": "greedy"}

@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, NativeError, Routing, engine_built
-from orchestrator.plan import Plan
-from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig
+from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, NativeError, Routing, engine_built
+from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.policies.plan import Plan
 from engine_common import rpc_main, run_in_own_process
 from test_engine_archs import ARCHS, arch_models  # noqa: F401 - the module-scoped fixture
 from test_speculative import models, prompts, target_greedy  # noqa: F401
@@ -33,7 +34,7 @@ N_TOKENS = 48
 def pool_session(path, tmp_path, draft=POOL_DRAFT, **kw) -> Session:
     # a fixed γ: the governor may rightly stop drafting on a random model, and these tests need drafts
     cfg = dict(model=path, draft=draft, gamma=4, adaptive_gamma=False, n_ctx=256, n_threads=1, engine=True,
-               budget_ratio=0.5, calibration_cache=tmp_path / "cal.json")
+               pool=(PoolDevice("CPU", Budget(ratio=0.5)),), calibration_cache=tmp_path / "cal.json")
     cfg.update(kw)
     return Session(SessionConfig(**cfg))
 
@@ -208,26 +209,27 @@ def test_no_pool_no_pool_draft(models, tmp_path):
 
 def test_options_default_to_the_pool_draft(models):
     """-m without -md: the pool draft when the pool is on; --draft none, the pool off or -md: not."""
-    from orchestrator.options import RunOptions, session_setup
+    from orchestrator.cli.options import RunOptions
+    from orchestrator.cli.setup import session_setup
 
     def setup(**kw):
         return session_setup(RunOptions(model=models["target"], **kw))
 
-    assert setup(device="CPU").config.draft == POOL_DRAFT
-    assert setup(device="CPU", draft="pool").config.draft == POOL_DRAFT
-    s = setup(device="CPU", draft="none")
+    assert setup(pool=(PoolDevice("CPU"),)).config.draft == POOL_DRAFT
+    assert setup(pool=(PoolDevice("CPU"),), draft="pool").config.draft == POOL_DRAFT
+    s = setup(pool=(PoolDevice("CPU"),), draft="none")
     assert s.config.draft is None and "no draft (--draft none)" in s.notes
     s = setup(engine=False)
     assert s.config.draft is None and any("no draft (-md" in n for n in s.notes)
-    assert setup(device="CPU", model_draft=models["self_draft"]).config.draft == models["self_draft"]
+    assert setup(pool=(PoolDevice("CPU"),), model_draft=models["self_draft"]).config.draft == models["self_draft"]
 
 
 def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:
     """The pool on a real second device: the draft context's device half is pinned to its own
     backend of that device; everything resident, it computes what the target computes."""
     from engine_common import model_config
-    from orchestrator.gguf_export import make_random_model
-    from orchestrator.native import graph_n_crossings
+    from orchestrator.modelio.gguf_export import make_random_model
+    from orchestrator.engine.native import graph_n_crossings
 
     def check(ctx, dctx, engine, tokens, reference):
         np.testing.assert_allclose(dctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())

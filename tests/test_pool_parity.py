@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from engine_common import model_config
-from orchestrator.gguf_export import make_random_model
-from orchestrator.plan import Plan
+from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.policies.plan import Plan
 from orchestrator.sim.simulator import Pool
 
-native = pytest.importorskip("orchestrator.native")
-llm = pytest.importorskip("orchestrator.llm")
+native = pytest.importorskip("orchestrator.engine.native")
+llm = pytest.importorskip("orchestrator.engine.llm")
 
 K_MAX = 4
 

@@ -5,7 +5,10 @@ be unregistered, so it must not outlive its server in the test session."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.native import engine_built
-from orchestrator.rpc import _free_port
+from orchestrator.engine.native import engine_built
+from orchestrator.engine.rpc import _free_port
 
 SPAC = [sys.executable, "-m", "orchestrator.cli"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +57,31 @@ def two_servers():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, seconds: float = 120) -> None:
+    """Until the server on 127.0.0.1:port accepts a connection (ggml's accept loop is running);
+    a bare connection is dropped as a client without HELLO, and the server serves on."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the RPC server on port {port} never answered (exit code {proc.poll()})")
+            time.sleep(0.05)
+
+
+def wait_for_first_text(client: subprocess.Popen, seconds: float = 120) -> None:
+    """Until the client has written its first generated text on stdout: the model is loaded on
+    the RPC device(s) and decoding runs there."""
+    ready, _, _ = select.select([client.stdout], [], [], seconds)
+    if not ready:
+        client.kill()
+        pytest.fail(f"the client printed no text in {seconds} s: {client.communicate()[1][-2000:]}")
+    if not os.read(client.stdout.fileno(), 4096):  # end of file: it exited before generating
+        pytest.fail(f"the client exited ({client.wait()}) before generating: {client.stderr.read()[-2000:]}")
 
 
 LONG_PROMPT = "def f(x):\n    return x\n" * 30  # 239 tokens: a streamed prefill (more than 64)
@@ -96,10 +124,11 @@ def test_rpc_server_refuses_bad_flags():
 
 
 def test_rpc_server_stops_on_ctrl_c():
-    proc = subprocess.Popen([*SPAC, "rpc-server", "-p", str(_free_port()), "-t", "1"], stdout=subprocess.DEVNULL,
+    port = _free_port()
+    proc = subprocess.Popen([*SPAC, "rpc-server", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert "RPC server on" in proc.stderr.readline()
-    time.sleep(0.5)
+    wait_for_port(port, proc)  # serving, not only about to
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "interrupted" in err
@@ -127,8 +156,8 @@ def test_a_server_that_dies_mid_run_is_one_line_and_exit_2():
     assert "RPC server on" in server.stderr.readline()
     client = subprocess.Popen([*SPAC, "generate", "Once upon a time", "-n", "-1", "-c", "4096", "-t", "1",
                                "--rpc", f"127.0.0.1:{port}", "--device", "RPC0", "--expert-budget", "25%"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    time.sleep(3)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    wait_for_first_text(client)  # mid-run
     server.kill()
     server.wait()
     _, err = client.communicate(timeout=60)
@@ -180,8 +209,8 @@ def test_one_of_two_servers_dying_mid_run_is_one_line_and_exit_2(two_servers):
     endpoints, procs = two_servers
     client = subprocess.Popen([*SPAC, "generate", "Once upon a time", "-n", "-1", "-c", "4096", "-t", "1",
                                "--rpc", endpoints, "--device", "RPC0,RPC1", "--expert-budget", "25%"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    time.sleep(3)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    wait_for_first_text(client)  # mid-run
     procs[1].kill()
     procs[1].wait()
     _, err = client.communicate(timeout=60)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.native import engine_built
+from orchestrator.engine.native import engine_built
 
 from engine_common import rpc_main, run_in_own_process
 from test_engine_archs import ARCHS, arch_models  # noqa: F401 - the module-scoped fixture
@@ -28,13 +28,14 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
     """Per architecture: the target with its layers on two devices decodes greedily alone, then
     verifying a pool draft of itself through pools on both devices while random plans change
     them; the tokens must be the same, and both devices must have copied and computed."""
-    from orchestrator.llm import Context, Model
-    from orchestrator.native import PoolDevice, SeveralPools, model_layer_devices, model_moe_layers
-    from orchestrator.placement import pool_layer_ranges
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import SeveralPools, model_layer_devices, model_moe_layers
+    from orchestrator.engine.pool import Budget, PoolDevice
+    from orchestrator.engine.placement import pool_layer_ranges
 
     from test_pool_draft import greedy, speculative_greedy
 
-    from orchestrator.gguf_export import make_random_model
+    from orchestrator.modelio.gguf_export import make_random_model
 
     from engine_common import model_config
 
@@ -55,8 +56,8 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
             layers = pool_layer_ranges(placed, devices, moe)  # deepseek2: layer 0 dense, no pool on the first
             ref = greedy(ctx, PROMPT, 24)
             for budgets in budgets_tried:
-                pools = [PoolDevice(d, budget_ratio=b) for d, b in zip(devices, budgets)]
-                with SeveralPools(ctx.ptr, path, pools, layers) as engine:
+                pools = [PoolDevice(d, Budget(ratio=b), span) for d, b, span in zip(devices, budgets, layers)]
+                with SeveralPools(ctx.ptr, path, pools) as engine:
                     engine.attach_draft(dctx.ptr)
                     out, n_accepted = speculative_greedy(ctx, dctx, engine, PROMPT, 24)
                     assert out == ref, (arch, budgets)
@@ -78,8 +79,8 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
 
 
 def check_overlapping_pools_are_refused(devices: list[str], arch_dir: Path) -> None:
-    from orchestrator.llm import Context, Model
-    from orchestrator.native import ExpertEngine, NativeError
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import ExpertEngine, NativeError
 
     path = arch_dir / "qwen3moe-moe.gguf"
     model = Model(path, repack="off", n_gpu_layers=99, devices=tuple(devices))
@@ -101,11 +102,12 @@ def check_overlapping_pools_are_refused(devices: list[str], arch_dir: Path) -> N
 def check_streamed_prefill_on_two_devices(devices: list[str], tmp: Path) -> None:
     """A 700-token prompt streams its experts through both pools, each device its own layers'
     (the staging copies of the second device start with the ubatch, beside the first's)."""
-    from orchestrator.gguf_export import make_random_model
-    from orchestrator.llm import Context, Model
-    from orchestrator.native import ExpertEngine, PoolDevice, SeveralPools, model_layer_devices
-    from orchestrator.placement import pool_layer_ranges
-    from orchestrator.plan import Plan
+    from orchestrator.modelio.gguf_export import make_random_model
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import ExpertEngine, SeveralPools, model_layer_devices
+    from orchestrator.engine.pool import Budget, PoolDevice, StreamPrefill
+    from orchestrator.engine.placement import pool_layer_ranges
+    from orchestrator.policies.plan import Plan
 
     from engine_common import model_config
 
@@ -118,8 +120,8 @@ def check_streamed_prefill_on_two_devices(devices: list[str], tmp: Path) -> None
         reference = ctx.logits().copy()
         layers = pool_layer_ranges(model_layer_devices(model.ptr, 4), devices)
         assert layers == [(0, 3), (3, 4)], layers  # 4 layers and the output, split evenly
-        pools = [PoolDevice(d, budget_ratio=0.25) for d in devices]
-        with SeveralPools(ctx.ptr, path, pools, layers, stream_prefill=True) as engine:
+        pools = [PoolDevice(d, Budget(ratio=0.25), span) for d, span in zip(devices, layers)]
+        with SeveralPools(ctx.ptr, path, pools, stream_prefill=StreamPrefill.AHEAD) as engine:
             ctx.clear()
             ctx.decode(tokens, logits_all=True)
             got = ctx.logits().copy()
@@ -133,8 +135,8 @@ def check_streamed_prefill_on_two_devices(devices: list[str], tmp: Path) -> None
         ctx.clear()
         ctx.decode(tokens, logits_all=False)
         reference = ctx.logits()[-1].copy()
-        with ExpertEngine(ctx.ptr, path, device=devices[0], budget_ratio=0.25, stream_prefill=True, layers=layers[0]), \
-             ExpertEngine(ctx.ptr, path, device=devices[1], budget_ratio=0.25, stream_prefill=False, layers=layers[1]) as last:
+        with ExpertEngine(ctx.ptr, path, device=devices[0], budget_ratio=0.25, stream_prefill=StreamPrefill.AHEAD, layers=layers[0]), \
+             ExpertEngine(ctx.ptr, path, device=devices[1], budget_ratio=0.25, stream_prefill=StreamPrefill.OFF, layers=layers[1]) as last:
             last.set_plan(Plan(np.full((4, 16), 1, np.uint8), np.ones(4, np.int32)))  # some resident: a real split
             assert last.wait_idle()
             ctx.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from orchestrator.cli import app as spac
+from orchestrator.cli.main import app as spac
 
 runner = CliRunner()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.plan import StepRouting
 from orchestrator.policies import make_policy
+from orchestrator.policies.plan import StepRouting
 from orchestrator.sim.profiles import CostModel, hardware, model
 from orchestrator.sim.simulator import Pool, SimConfig, Simulator
 from orchestrator.sim.trace import TraceWriter
@@ -93,7 +93,7 @@ def test_oracle_waits_for_its_copies():
 
 
 def plan_of(utility, evict=None):
-    from orchestrator.plan import Plan
+    from orchestrator.policies.plan import Plan
 
     u = np.array(utility, dtype=np.uint8)
     return Plan(utility=u, threshold=np.ones(u.shape[0], dtype=np.int32),
@@ -230,8 +230,8 @@ def test_a_hybrid_keeps_kv_in_its_full_attention_blocks_and_a_state_in_the_other
 
 def test_a_hybrid_profile_from_its_gguf(tmp_path):
     """A qwen35moe file's profile counts its KV and recurrent state as the placement does."""
-    from orchestrator.gguf_export import make_random_model, tiny_config
-    from orchestrator.placement import model_sizes
+    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+    from orchestrator.engine.placement import model_sizes
     from orchestrator.sim.profiles import from_gguf
 
     path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from orchestrator.cli.main import app
 from orchestrator.sim import profiles
 from orchestrator.sim.prefill import SYSTEMS, UBATCHES, PrefillModel
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.cli import app as spac
+from orchestrator.cli.main import app as spac
 from orchestrator.policies import make_policy
 from orchestrator.sim import profiles
 from orchestrator.sim.profiles import CostModel, MeasuredProfile, read_measured, write_measured
@@ -99,7 +99,7 @@ def test_sim_run_and_show_take_a_file(tmp_path):
 def test_measure_writes_a_profile_that_loads(tmp_path):
     """A reduced measurement (CPU test device, the shipped tiny target and draft, one repeat)."""
     from orchestrator.models import MODELS_DIR
-    from orchestrator.native import engine_built
+    from orchestrator.engine.native import engine_built
 
     if not engine_built():
         pytest.skip("the patched llama.cpp is not built")

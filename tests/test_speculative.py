@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, make_random_model, random_weights, tiny_config, write_gguf
-from orchestrator.llm import Context, Model
-from orchestrator.native import engine_built
-from orchestrator.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
+from orchestrator.decoding.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
+from orchestrator.decoding.speculative import Session, SessionConfig
+from orchestrator.decoding.text import ChatTemplate, TextStream, VocabMismatchError, check_vocab
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import engine_built
+from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, make_random_model, random_weights, tiny_config, write_gguf
 from orchestrator.policies.spac import Ablations
-from orchestrator.speculative import Session, SessionConfig
-from orchestrator.text import ChatTemplate, TextStream, VocabMismatchError, check_vocab
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 N_PROMPTS, N_TOKENS = 20, 128
@@ -90,7 +91,7 @@ def session(models, tmp_path, draft="self_draft", gamma=4, engine=False, **kw) -
 def test_greedy_is_lossless(models, references, tmp_path, gamma, engine):
     if engine and not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=gamma, engine=engine, budget_ratio=0.25) as s:
+    with session(models, tmp_path, gamma=gamma, engine=engine, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) as s:
         for prompt, ref in zip(prompts(), references):
             c = s.complete(prompt, max_tokens=N_TOKENS)
             assert c.tokens == ref, f"prompt {prompt}: first difference at {_first_diff(c.tokens, ref)}"
@@ -326,7 +327,7 @@ def _first_diff(a, b):
 def test_calibration_is_measured_once_then_cached(models, tmp_path):
     if not engine_built():
         pytest.skip("native engine not built")
-    from orchestrator.calibrate import expert_bytes
+    from orchestrator.engine.calibrate import expert_bytes
 
     assert expert_bytes(models["target"]) == 3 * CFG.n_ff_exp * CFG.n_embd * 4  # gate, up, down in F32
     with session(models, tmp_path, gamma=4, engine=True) as s:

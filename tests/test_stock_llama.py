@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from build_native import stock_program
-from orchestrator.gguf_export import byte_level_bpe_tokenizer, read_config, write_gguf
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, read_config, write_gguf
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
 from orchestrator.models import MODELS_DIR, load_llama
-from orchestrator.synthetic_models import PRESETS, synthetic_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,11 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from orchestrator.gguf_export import make_random_model
-from orchestrator.llm import Context, Model
-from orchestrator.native import ExpertEngine, Routing, engine_built
-from orchestrator.placement import model_sizes
-from orchestrator.plan import Plan
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, Routing, engine_built
+from orchestrator.engine.placement import model_sizes
+from orchestrator.engine.pool import StreamPrefill
+from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.policies.plan import Plan
 
 from engine_common import model_config, rpc_main, run_in_own_process
 
@@ -99,7 +100,7 @@ def test_streamed_prefill_leaves_decoding_and_the_plan_alone(models):
             return np.concatenate(out)
 
         reference = run()
-        with ExpertEngine(ctx.ptr, path, budget_ratio=0.25, stream_prefill=True) as engine:
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.25, stream_prefill=StreamPrefill.AHEAD) as engine:
             resident = some_resident(engine, seed=3)
             assert run().tobytes() == reference.tobytes()
             assert ((engine.residency() >= 0) == resident).all()
@@ -121,7 +122,7 @@ def test_streamed_prefill_with_repacked_host_experts(models):
     try:
         tokens = prompt(300)
         reference = prefill(ctx, tokens)  # every expert on the host's repacked kernels
-        with ExpertEngine(ctx.ptr, path, budget_ratio=0.25, stream_prefill=True) as engine:
+        with ExpertEngine(ctx.ptr, path, budget_ratio=0.25, stream_prefill=StreamPrefill.AHEAD) as engine:
             some_resident(engine, seed=7)
             engine.reset_stats()
             got = prefill(ctx, tokens)
@@ -144,7 +145,7 @@ def check_streamed_prefill_on_rpc_device(device: str, tmp) -> None:
     try:
         tokens = prompt(700)
         reference = prefill(ctx, tokens)
-        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=0.25, stream_prefill=True) as engine:
+        with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=0.25, stream_prefill=StreamPrefill.AHEAD) as engine:
             resident = some_resident(engine, seed=5)
             engine.reset_stats()
             got = prefill(ctx, tokens)

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orchestrator.plan import StepRouting
+from orchestrator.policies.plan import StepRouting
 from orchestrator.sim.trace import Trace, TraceError, TraceWriter, read_trace
 
 L, E, K = 3, 16, 4
@@ -186,7 +186,7 @@ def test_trace_constructor_validates():
 
 def test_rows_a_layer_did_not_compute_count_nowhere():
     """A prompt's last layer keeps only its output rows; the routing export marks the others -1."""
-    from orchestrator.plan import StepRouting
+    from orchestrator.policies.plan import StepRouting
     from orchestrator.policies.base import layer_usage
 
     selected = np.array([[[0, 1], [2, 3]], [[1, 2], [-1, -1]]])  # [n_tokens 2, n_layer 2, top_k 2]

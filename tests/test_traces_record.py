@@ -6,15 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.gguf_export import make_random_model, tiny_config
-from orchestrator.plan import StepRouting
+from orchestrator.cli.record import record_cmd, record_trace
+from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 from orchestrator.policies import make_policy, observe
 from orchestrator.policies.base import PolicyContext
-from orchestrator.record import record_cmd, record_trace
+from orchestrator.policies.plan import StepRouting
 from orchestrator.sim.simulator import SimConfig, Simulator
 
-speculative = pytest.importorskip("orchestrator.speculative")
-native = pytest.importorskip("orchestrator.native")
+speculative = pytest.importorskip("orchestrator.decoding.speculative")
+native = pytest.importorskip("orchestrator.engine.native")
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 
 
@@ -43,7 +44,7 @@ def session_config(tmp_path_factory, name):
     target = make_random_model(d / "target.gguf", CFG, seed=1)
     draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
     return d, speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
-                                        budget_ratio=0.25, calibration_cache=d / "cal.json")
+                                        pool=(PoolDevice("CPU", Budget(ratio=0.25)),), calibration_cache=d / "cal.json")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +189,7 @@ def test_draft_routing_is_recorded_and_replays_the_live_plans(lookahead_run):
 def test_recorded_trace_simulates_as_its_own_model(lookahead_run):
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.main import app
 
     _, _, _, path = lookahead_run
     r = CliRunner().invoke(app, ["sim", "run", "--trace", str(path), "-p", "spac", "-p", "lru/host"])

@@ -1,7 +1,7 @@
 """Expert-placement policies, shared by the live engine and the simulator.
 
 The interface is in `base` (`Policy`, `PolicyContext`, `Feedback`); a policy turns the routing
-of the last verify pass and its own state into an `orchestrator.plan.Plan`.
+of the last verify pass and its own state into an `orchestrator.policies.plan.Plan`.
 
 A policy is a combination (SpecMD's framework, SpecMD §3.1) of four choices:
 
@@ -46,6 +46,7 @@ from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.hybrimoe import HybriMoE
 from orchestrator.policies.lookahead import MoESpeQLookahead
 from orchestrator.policies.oracle import Oracle
+from orchestrator.policies.spac import MoESpAc
 from orchestrator.policies.specmoe import SpecMoEHotSet
 from orchestrator.policies.static import StaticPlacement
 
@@ -63,8 +64,6 @@ def _named(name: str, factory: Callable[..., Policy], **fixed) -> Callable[..., 
 
 
 def _moe_spac(**kw) -> Policy:
-    from orchestrator.policies.spac import MoESpAc  # needs orchestrator.estimator / .balancer
-
     policy = MoESpAc(**kw)
     policy.name = "moe-spac-paper"
     return policy

@@ -2,7 +2,7 @@
 
 A policy is a decision, not an execution (vLLM v1's scheduler/worker split): after each
 verification step it turns the routing of that step, plus its own state, into a `Plan`
-(`orchestrator.plan`): which experts it wants on the device, in which order to copy them,
+(`orchestrator.policies.plan`): which experts it wants on the device, in which order to copy them,
 in which order to give slots back. Whoever executes plans (the native copy engine, or
 `orchestrator.sim.simulator`) applies it the same way:
 
@@ -36,7 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
+from orchestrator.policies.plan import Plan, StepRouting
 
 MISS_MODES = ("cpu", "fetch", "greedy")
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import (
     Feedback,
     Policy,
@@ -38,6 +37,7 @@ from orchestrator.policies.base import (
     ranked_plan,
     smallest_rows,
 )
+from orchestrator.policies.plan import Plan, StepRouting
 
 
 class RankingPolicy(Policy):

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import (Feedback, Policy, PolicyContext, layer_usage, order_rows, smallest_rows,
                                         top_per_device)
+from orchestrator.policies.plan import Plan, StepRouting
 
 N_C, N_R, N_W, N_D = 4, 4, 2, 4
 

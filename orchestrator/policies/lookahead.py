@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, PolicyContext, keep_plan, order_rows
 from orchestrator.policies.cache import LRU
+from orchestrator.policies.plan import Plan, StepRouting
 
 
 class MoESpeQLookahead(LRU):

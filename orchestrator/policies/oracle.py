@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, ranked_plan
+from orchestrator.policies.plan import Plan, StepRouting
 
 NEVER = 1 << 30
 

@@ -1,7 +1,7 @@
 """MoE-SpAc §3: Speculative Utility Estimator + Heterogeneous Workload Balancer → Plan.
 
-After each verify pass: f_t → utilities s_{t+1} (`orchestrator.estimator.UtilityEstimator`,
-Algorithm 1) → τ per layer (`orchestrator.balancer.WorkloadBalancer`, Eq. 9–12) → a plan
+After each verify pass: f_t → utilities s_{t+1} (`orchestrator.policies.estimator.UtilityEstimator`,
+Algorithm 1) → τ per layer (`orchestrator.policies.balancer.WorkloadBalancer`, Eq. 9–12) → a plan
 wanting the experts with utility ≥ τ. The execution engine's rules (prefetch from utility K
 down to τ, FIFO by layer inside a level; evict the lowest utility first, only below τ) are
 the default plan semantics of `orchestrator.policies.base`, so the plan carries no lists.
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from orchestrator.balancer import FIXED_THRESHOLD, UnitCosts, WorkloadBalancer
-from orchestrator.estimator import UtilityEstimator
-from orchestrator.plan import Plan, StepRouting
+from orchestrator.policies.balancer import FIXED_THRESHOLD, UnitCosts, WorkloadBalancer
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, top_per_device
+from orchestrator.policies.estimator import UtilityEstimator
+from orchestrator.policies.plan import Plan, StepRouting
 
 
 def _switch(label: str, help: str):

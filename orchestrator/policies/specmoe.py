@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, keep_plan, order_rows, smallest_rows
+from orchestrator.policies.plan import Plan, StepRouting
 
 
 class SpecMoEHotSet(Policy):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, keep_plan
+from orchestrator.policies.plan import Plan, StepRouting
 
 
 class StaticPlacement(Policy):

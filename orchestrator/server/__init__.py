@@ -21,9 +21,9 @@ from types import FrameType
 
 import uvicorn
 
+from orchestrator.decoding.speculative import Session
 from orchestrator.server.app import Defaults, create_app
 from orchestrator.server.engine import Engine
-from orchestrator.speculative import Session
 
 __all__ = ["Defaults", "Engine", "create_app", "serve"]
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from orchestrator.metrics import RunMetrics
+from orchestrator.decoding.metrics import RunMetrics
 
 
 class ApiError(Exception):

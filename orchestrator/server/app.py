@@ -26,12 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.decoding.speculative import Session
 from orchestrator.server import api
 from orchestrator.server.api import ApiError
 from orchestrator.server.engine import Engine, Job, NotAccepting, QueueFull
 from orchestrator.server.telemetry import CONTENT_TYPE, Telemetry
-from orchestrator.sampling import SamplingParams
-from orchestrator.speculative import Session
 
 
 @dataclass

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.metrics import RunMetrics
-from orchestrator.sampling import SamplingParams
-from orchestrator.speculative import Session
+from orchestrator.decoding.metrics import RunMetrics
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.decoding.speculative import Session
 
 
 class QueueFull(RuntimeError):

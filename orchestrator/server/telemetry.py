@@ -8,7 +8,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from orchestrator.metrics import ENGINE_COUNTERS, RunMetrics
+from orchestrator.decoding.metrics import ENGINE_COUNTERS, RunMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -6,8 +6,8 @@
 Without `--trace`, the simulator replays a synthetic trace with the target model's shape
 (calibrated for Qwen3-30B-A3B; the same dynamics, uncalibrated, for the other models).
 
-Why ~400 lines: one typer command per simulator experiment with its table and plot; the
-experiments themselves are in experiments.py.
+Why ~480 lines: one typer command per simulator experiment with its table and plot; the
+experiments themselves are in experiments.py, the prefill model in prefill.py.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from orchestrator.policies import POLICIES
+from orchestrator.policies import COMBINATIONS, POLICIES
 from orchestrator.sim import profiles
+from orchestrator.sim.experiments import ablation, compare, hot_cold_accuracy, sweep_cache_ratio, sweep_k
+from orchestrator.sim.limit import limit
+from orchestrator.sim.locality import belady_hit_curve, lru_hit_curve, repeat_rates, shared_expert_rate
+from orchestrator.sim.prefill import PrefillModel, SYSTEMS
 from orchestrator.sim.simulator import SimConfig, SimResult
-from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, synthesize_trace
+from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, generate_routing, synthesize_trace
 from orchestrator.sim.trace import Trace, TraceError, read_trace
 
 app = typer.Typer(help="Trace-driven simulation of expert caching policies (tables and PNG plots).",
@@ -226,13 +230,8 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
             cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
             quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
     """All policies side by side on one trace."""
-    from orchestrator.sim.experiments import compare
-
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
-    from orchestrator.policies import COMBINATIONS
-    from orchestrator.sim.limit import limit
-
     names = _names(policy)
     with working(f"simulating {len(names)} policies on {t.n_steps} steps"):
         results, skipped = compare(t, config, names)
@@ -261,8 +260,6 @@ def sweep_cache_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, see
                     ratios: str = typer.Option(DEFAULT_RATIOS, "--ratios", help="comma-separated cache ratios"),
                     quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
     """Tokens/s against the expert cache ratio (paper Fig. 5 left)."""
-    from orchestrator.sim.experiments import sweep_cache_ratio
-
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     rs = _ratios(ratios)
     config = _config(hardware, model, draft, rs[0], visibility, gguf_quant or quant, t)
@@ -283,8 +280,6 @@ def sweep_k_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: i
                 k_max: int = typer.Option(8, "--k-max", help="largest K"), quant: str = QuantOpt,
                 out: Optional[Path] = OutOpt) -> None:
     """MoE-SpAc tokens/s against the utility bound K (paper Fig. 5 right)."""
-    from orchestrator.sim.experiments import sweep_k
-
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
     ks = list(range(1, k_max + 1))
@@ -304,8 +299,6 @@ def ablation_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
                  out: Optional[Path] = OutOpt) -> None:
     """MoE-SpAc with one component removed at a time (paper Table 4). "w/o SD" needs a synthetic
     trace (it replays the same routing model decoded autoregressively)."""
-    from orchestrator.sim.experiments import ablation
-
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
     ar = None
     if trace is None:
@@ -325,8 +318,6 @@ def accuracy_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
                  tau: int = typer.Option(1, "--tau", help="hot ⇔ utility ≥ τ (the paper's Fig. 4 uses 1)"),
                  k_max: int = typer.Option(4, "--k-max", help="utility bound K")) -> None:
     """Hot/cold prediction accuracy of the utility estimator (paper Fig. 4)."""
-    from orchestrator.sim.experiments import hot_cold_accuracy
-
     t = _trace(trace, steps, seed, gamma, acceptance, model, gguf)[0]
     rows = []
     for label, layer in (("all", None), (f"last ({t.n_layer - 1})", t.n_layer - 1)):
@@ -344,9 +335,6 @@ def accuracy_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: 
 def families_cmd(tokens: int = typer.Option(400, "--tokens"), seed: int = SeedOpt) -> None:
     """The synthetic trace families: shape, what their locality is calibrated against, and the
     locality this generator gives them (autoregressive routing of --tokens tokens)."""
-    from orchestrator.sim.locality import repeat_rates, shared_expert_rate
-    from orchestrator.sim.synthetic import generate_routing
-
     rows = []
     for key, f in FAMILIES.items():
         r = f.routing
@@ -361,9 +349,6 @@ def families_cmd(tokens: int = typer.Option(400, "--tokens"), seed: int = SeedOp
 @app.command("calibrate")
 def calibrate_cmd(tokens: int = typer.Option(1000, "--tokens"), seed: int = SeedOpt) -> None:
     """Locality of the synthetic Qwen3-30B-A3B generator against the published numbers."""
-    from orchestrator.sim.locality import belady_hit_curve, lru_hit_curve, repeat_rates
-    from orchestrator.sim.synthetic import generate_routing
-
     selected, _ = generate_routing(tokens, QWEN3_30B_A3B, seed=seed)
     caps = (8, 16, 32, 64)
     lru, belady = lru_hit_curve(selected, caps).mean(axis=1), belady_hit_curve(selected, caps).mean(axis=1)
@@ -403,8 +388,6 @@ def prefill_cmd(hardware: str = typer.Option("rtx4090,rtx4060", "--hardware",
                 as_json: bool = typer.Option(False, "--json", help="write the rows to stdout as a JSON list instead of tables")) -> None:
     """Time to first token of long prompts with the experts in host RAM (simulated): llama.cpp's op
     offload, llama.cpp on the CPU, spac's prefill streamed through the pool, and a limit."""
-    from orchestrator.sim.prefill import PrefillModel, SYSTEMS
-
     if quant not in profiles.BITS_PER_WEIGHT:
         raise typer.BadParameter(f"unknown format {quant!r}; known: {', '.join(profiles.BITS_PER_WEIGHT)}", param_hint="--quant")
     try:
@@ -481,8 +464,6 @@ def info_cmd(path: Path = typer.Argument(..., help="trace file (.npz)")) -> None
     except TraceError as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(code=1) from None
-    from orchestrator.sim.locality import repeat_rates
-
     accepted = t.n_accepted.astype(float)
     rows = [{"field": k, "value": v} for k, v in {
         "model": t.model or "?", "MoE layers": t.n_layer, "experts": t.n_expert, "top-k": t.top_k,

@@ -14,8 +14,10 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from orchestrator.estimator import UtilityEstimator
 from orchestrator.policies import POLICIES, make_policy
+from orchestrator.policies.base import PolicyContext
+from orchestrator.policies.default import LookaheadUtility
+from orchestrator.policies.estimator import UtilityEstimator
 from orchestrator.policies.spac import Ablations
 from orchestrator.sim.simulator import SimConfig, SimResult, Simulator
 from orchestrator.sim.trace import Trace
@@ -93,9 +95,6 @@ def hot_cold_accuracy(trace: Trace, k_max: int = 4, tau: int = 1, lam: float = 0
     recall of "hot". Also the mean calibrated boundaries θ↑, θ↓ of Algorithm 1 at the end
     (the finding: they sink to 1). `layer`: one MoE layer (the paper plots its 47th), or all.
     """
-    from orchestrator.policies.default import LookaheadUtility
-    from orchestrator.policies.base import PolicyContext
-
     gamma = int(trace.n_drafted.max()) or 2
     est = UtilityEstimator(trace.n_layer, trace.n_expert, gamma=gamma, k_max=k_max, lam=lam)
     spac = LookaheadUtility()

@@ -30,6 +30,11 @@ rates, each per byte of the weights it reads so that it carries over to another 
     absent experts on the device      one zero-slot expert with their tokens (a device that does
                                       not skip id -1 multiplies them by the all-zero slot)
     one draft token                   measured on the draft file, else its bytes at the draft rate
+
+Why ~650 lines: the cost model's every term reads one field of a hardware or model profile, so
+the profiles, their TOML loading, the cost model and the measured profile (`read_measured`,
+`write_measured`: what `spac sim profile measure` writes) and a GGUF's model profile
+(`from_gguf`) are kept in one module; the measuring itself is cli/profile_measure.py.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import sys
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
+
+from orchestrator.modelio.model_sizes import model_sizes, recurrent_layers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -580,7 +587,6 @@ def from_gguf(path, draft: bool = False) -> tuple[ModelProfile, str]:
 
     import gguf
 
-    from orchestrator.model_sizes import model_sizes, recurrent_layers
 
     reader = gguf.GGUFReader(str(path))
 

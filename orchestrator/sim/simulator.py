@@ -35,6 +35,10 @@ Outputs: hit rate (token-weighted share of expert computations served from the p
 share of distinct experts), host share, collision misses (resident when the pass began,
 evicted by an in-pass copy, then needed later in the same pass), bytes moved, step time,
 tokens/s (tokens = accepted drafts + 1 per step).
+
+Why ~450 lines: the pool (slots, LRU order, in-pass copies and collisions) and the step's
+timing under the cost model are replayed together, pass by pass; the costs themselves are
+profiles.py, the policies orchestrator.policies.
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from orchestrator.plan import Plan, StepRouting
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, layer_usage, order_rows
+from orchestrator.policies.plan import Plan, StepRouting
 from orchestrator.sim import profiles
 from orchestrator.sim.profiles import CostModel
 from orchestrator.sim.trace import Trace

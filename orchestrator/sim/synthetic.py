@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from orchestrator.plan import StepRouting
+from orchestrator.policies.plan import StepRouting
+from orchestrator.sim import profiles
 from orchestrator.sim.trace import Trace, TraceWriter
 
 
@@ -207,8 +208,6 @@ FAMILIES = {
 def family_trace(family: str, n_steps: int, gamma: int = 8, acceptance: float = 0.75,
                  draft_fidelity: float | None = 0.9, seed: int = 0) -> Trace:
     """A speculative trace of one of `FAMILIES` (draft_fidelity: see `synthesize_trace`)."""
-    from orchestrator.sim import profiles
-
     f = FAMILIES[family]
     m = profiles.model(f.profile)
     return synthesize_trace(n_steps, f.routing, gamma=gamma, acceptance=acceptance, draft_fidelity=draft_fidelity,

@@ -54,7 +54,7 @@ from typing import Iterator
 
 import numpy as np
 
-from orchestrator.plan import StepRouting
+from orchestrator.policies.plan import StepRouting
 
 FORMAT = "spac-routing-trace"
 VERSION = 1

@@ -45,10 +45,11 @@ from conftest import LLAMA_CPP_TREE, ROOT, compile_native
 import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
 from build_native import stock_program  # noqa: E402
 
-from orchestrator.llm import Model  # noqa: E402
-from orchestrator.native import NativeError  # noqa: E402
-from orchestrator.sampling import SamplingParams  # noqa: E402
-from orchestrator.speculative import POOL_DRAFT, Session, SessionConfig  # noqa: E402
+from orchestrator.decoding.sampling import SamplingParams  # noqa: E402
+from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig  # noqa: E402
+from orchestrator.engine.llm import Model  # noqa: E402
+from orchestrator.engine.native import NativeError  # noqa: E402
+from orchestrator.engine.pool import Budget, PoolDevice  # noqa: E402
 
 EPS_REFERENCE = 1e-3  # F32 file against float32 transformers: summation order only (~1e-5)
 EPS_TIE = 1e-3        # a spac path against target-only: the batched-verify kernels' ~1e-4
@@ -64,7 +65,7 @@ def stock_repacking():
     AMX matmul crashes unpatched, patch 0011), so where spac's build has AMX, llama.cpp's default
     would put dense weights in AMX's layout; here every weight CPU_REPACK takes goes there instead,
     which is what stock does."""
-    from orchestrator import host_layout
+    from orchestrator.engine import host_layout
 
     if "AMX" not in host_layout.cpu_buffer_types():
         yield
@@ -224,7 +225,7 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
 
     for name, (ratio, drafting) in ENGINE_PATHS.items():
         d = None if drafting is None else POOL_DRAFT if drafting == POOL_DRAFT else draft
-        cfg = SessionConfig(**base, engine=True, device="CPU", budget_ratio=ratio, draft=d, gamma=4, repack="off")
+        cfg = SessionConfig(**base, engine=True, pool=(PoolDevice("CPU", Budget(ratio=ratio)),), draft=d, gamma=4, repack="off")
         try:
             got = run_session(cfg, prompts)
         except NativeError as e:

@@ -18,9 +18,10 @@ import numpy as np
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from orchestrator.gguf_export import quantize_gguf, read_config
-from orchestrator.hot_experts import hot_experts, slice_experts
-from orchestrator.options import check_output, fail
+from orchestrator.cli.options import check_output, fail
+from orchestrator.engine.llm import ModelError, check_gguf, init_backend
+from orchestrator.modelio.gguf_export import quantize_gguf, read_config
+from orchestrator.modelio.hot_experts import hot_experts, slice_experts
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Make a self-draft of a MoE GGUF: a low-bit copy (MoE-SpeQ) or its most-used experts (SpecMoE).")
@@ -42,8 +43,6 @@ ForceOpt = typer.Option(False, "--force", help="overwrite DST if it exists (neve
 
 
 def _check_source(src: Path) -> None:
-    from orchestrator.llm import ModelError, check_gguf
-
     try:
         check_gguf(src)
     except ModelError as e:
@@ -57,8 +56,6 @@ def quantized(src: Path, dst: Path, type: str = typer.Option("q4_0", "--type", h
     then renamed: DST is whole or untouched)."""
     _check_source(src)
     check_output(dst, force, inputs=[src])
-    from orchestrator.llm import init_backend
-
     init_backend()  # llama.cpp's errors only
     try:
         out = quantize_gguf(src, dst, type)

@@ -23,31 +23,37 @@ sequence (chat turns re-render the whole conversation and pay only for the new p
 Greedy decoding is token-identical to target-only greedy decoding: the verify pass computes the
 same logits a single-token decode would, and the accepted tokens are the target's argmax.
 
-Why one module of ~500 lines: the session's state (token sequence, two KV caches, plan in
-force, governor, draft routing) is shared by every step of the loop; the maths (sampling.py),
-the text (text.py), the policies and the engine bindings live elsewhere.
+Why one module of ~620 lines: the session's state (token sequence, two KV caches or a
+recurrent fork, plan in force, governor, draft routing) is shared by every step of the loop,
+and opening it (target, draft of four kinds, engine over one or several devices, calibration)
+decides what the loop may do; the maths (sampling.py), the text (text.py), the MTP draft
+(mtp_draft.py), the policies and the engine bindings live elsewhere.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from orchestrator.governor import Governor, GovernorConfig
-from orchestrator.llm import DEFAULT_REPACK, Context, Model, ModelError
-from orchestrator.metrics import RunMetrics, RunRecorder
-from orchestrator.mtp_draft import MTP_DRAFT, MtpDraft, require_mtp
-from orchestrator.native import DEFAULT_BUDGET_RATIO, PoolDevice, copies_block_compute
-from orchestrator.plan import Plan, StepRouting
+from orchestrator.decoding.governor import Governor, GovernorConfig
+from orchestrator.decoding.metrics import RunMetrics, RunRecorder
+from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft, require_mtp
+from orchestrator.decoding.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
+from orchestrator.decoding.text import ChatTemplate, TextStream, check_vocab
+from orchestrator.engine import calibrate
+from orchestrator.engine.llm import DEFAULT_REPACK, Context, Model, ModelError
+from orchestrator.engine.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
+                                        model_layer_devices, model_moe_layers)
+from orchestrator.engine.placement import PlacementError, pool_layer_ranges
+from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
+from orchestrator.policies.plan import Plan, StepRouting
 from orchestrator.policies.spac import Ablations, MoESpAc
-from orchestrator.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
-from orchestrator.text import ChatTemplate, TextStream, check_vocab
 
 
 # ----------------------------------------------------------------------------- policy
@@ -66,7 +72,7 @@ def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Polic
 # SessionConfig.draft: the target itself as the draft, a second context on the loaded model whose
 # MoE layers route only among the experts resident in the pool (no second model, no expert memory)
 POOL_DRAFT = "pool"
-# or MTP_DRAFT: the target's multi-token-prediction head (`orchestrator.mtp_draft`)
+# or MTP_DRAFT: the target's multi-token-prediction head (`orchestrator.decoding.mtp_draft`)
 
 
 @dataclass
@@ -74,7 +80,7 @@ class SessionConfig:
     model: str | Path
     draft: str | Path | None = None
     gamma: int = 8               # the draft length, or its upper bound with adaptive_gamma
-    adaptive_gamma: bool = True  # greedy: γ chosen every step by MoE-SpeQ's governor (orchestrator.governor)
+    adaptive_gamma: bool = True  # greedy: γ chosen every step by MoE-SpeQ's governor (orchestrator.decoding.governor)
     k_max: int = 4
     lam: float = 0.1
     n_ctx: int = 0               # 0: the target's training context (GGUF context_length)
@@ -82,27 +88,23 @@ class SessionConfig:
     n_threads: int = 2
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
-    repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.host_layout)
+    repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.engine.host_layout)
     mmap: bool = True  # False: llama.cpp's --no-mmap (a GPU's pinned host buffers: faster pool copies)
     engine: bool | None = None   # None: on when the native engine is built, else off
-    device: str | None = None    # engine device: None/"CPU" (a second CPU buffer) or a ggml name
-    stream_prefill: str | bool | None = None  # prompts' experts through the pool (patch 0016): ahead, used,
-                                               # off; None: ahead on a GPU or RPC pool, off on the CPU test device
-    budget_bytes: int = 0
-    budget_ratio: float = DEFAULT_BUDGET_RATIO
-    # more pool devices after `device` (llama.cpp's layer split puts a range of layers on each, and
-    # each pool holds its own layers' experts); their budget_ratio is a share of those experts
-    extra_devices: tuple[PoolDevice, ...] = ()
-    tensor_split: tuple[float, ...] = ()  # llama.cpp's --tensor-split over device + extra_devices (() = by free memory)
+    # the pool's devices with their budgets: "CPU" (the test device, a second host buffer) or ggml
+    # names; several: llama.cpp's layer split puts a range of layers on each, and each pool holds
+    # its own layers' experts (a budget ratio is a share of those)
+    pool: tuple[PoolDevice, ...] = (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
+    stream_prefill: StreamPrefill = StreamPrefill.AUTO  # prompts' experts through the pool (patch 0016)
+    tensor_split: tuple[float, ...] = ()  # llama.cpp's --tensor-split over the pool's devices (() = by free memory)
     ablations: Ablations = field(default_factory=Ablations)
     recalibrate: bool = False
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
     verbose: bool = False
     check_tensors: bool = False  # llama.cpp's --check-tensors: validate the weights' data on load
 
-    def pool_devices(self) -> list[PoolDevice]:
-        """Every pool device, `device` first, with its budget."""
-        return [PoolDevice(self.device or "CPU", self.budget_bytes, self.budget_ratio), *self.extra_devices]
+    def __post_init__(self) -> None:
+        self.stream_prefill = StreamPrefill(self.stream_prefill).resolve(self.pool[0])
 
 
 @dataclass
@@ -155,10 +157,10 @@ class Session:
 
     def _open(self, cfg: SessionConfig) -> None:
         ab = cfg.ablations
-        on_gpu = (cfg.device or "CPU").upper() != "CPU"  # CPU: the test device, a second host buffer
+        on_gpu = not cfg.pool[0].on_host  # CPU: the test device, a second host buffer
         mtp = cfg.draft == MTP_DRAFT and not ab.no_sd
         self.target = self._model(cfg.model, cfg.n_gpu_layers,
-                                  devices=tuple(d.name for d in cfg.pool_devices()) if on_gpu else (),
+                                  devices=tuple(d.name for d in cfg.pool) if on_gpu else (),
                                   tensor_split=cfg.tensor_split if on_gpu else (), mtp=mtp)
         pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
         if pool_draft:
@@ -223,25 +225,20 @@ class Session:
         self.mode, self.gamma = "autoregressive", 0
 
     def _open_engine(self, cfg: SessionConfig) -> None:
-        from orchestrator.native import ExpertEngine, NativeError, Routing, SeveralPools, model_layer_devices, model_moe_layers
-        from orchestrator.placement import PlacementError, pool_layer_ranges
-
         if self.policy is None:
             self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
         try:
-            # streaming a prompt to the CPU test device would only add copies to the host's work
-            stream = cfg.stream_prefill if cfg.stream_prefill is not None else (
-                "ahead" if (cfg.device or "CPU").upper() != "CPU" else "off")
-            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=stream)
-            if cfg.extra_devices:  # one pool per device, on the layers llama.cpp placed there
-                devices = cfg.pool_devices()
+            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill)
+            if len(cfg.pool) > 1:  # one pool per device, on the layers llama.cpp placed there
                 n = self.target.n_layer
-                layers = pool_layer_ranges(model_layer_devices(self.target.ptr, n), [d.name for d in devices],
+                layers = pool_layer_ranges(model_layer_devices(self.target.ptr, n), [d.name for d in cfg.pool],
                                            model_moe_layers(self.target.ptr, n))
-                self.engine = SeveralPools(self.ctx.ptr, self.target.path, devices, layers, **engine_args)
+                devices = tuple(replace(d, layers=span) for d, span in zip(cfg.pool, layers))
+                self.engine = SeveralPools(self.ctx.ptr, self.target.path, devices, **engine_args)
             else:
-                self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=cfg.device, budget_bytes=cfg.budget_bytes,
-                                           budget_ratio=cfg.budget_ratio, **engine_args)
+                one = cfg.pool[0]
+                self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=one.name, budget_bytes=one.budget.nbytes,
+                                           budget_ratio=one.budget.ratio, **engine_args)
         except (NativeError, PlacementError) as e:
             if cfg.engine:
                 raise
@@ -250,7 +247,7 @@ class Session:
         if self.draft is self.target and not isinstance(self.draft_ctx, MtpDraft):
             self.engine.attach_draft(self.draft_ctx.ptr)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
-        self._open_draft_routing(Routing)
+        self._open_draft_routing()
         lookahead = self.draft_routing is not None or self.policy.draft_optional
         if self.policy.miss != "cpu" or (self.policy.uses_draft_routing and not lookahead) or self.policy.needs_future:
             raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
@@ -263,8 +260,6 @@ class Session:
 
     def _device_spans(self, stats: dict) -> tuple[tuple[int, int, int], ...]:
         """PolicyContext.devices: each pool device's MoE layers and slots (() for one device)."""
-        from orchestrator.native import SeveralPools
-
         if not isinstance(self.engine, SeveralPools):
             return ()
         return tuple((*engine.moe_range, int(row["n_slots"])) for engine, row in zip(self.engine.engines, stats["per_device"]))
@@ -273,13 +268,11 @@ class Session:
         """Measure (or load) the unit costs, then start the plans over: the measurement drove the
         pool itself and left it wanting nothing, so the policy's first plan is sent whatever was
         sent before, and the copies made while measuring are not counted in the next step's feedback."""
-        from orchestrator import calibrate
-
         cfg = self.cfg
         rig = calibrate.Rig(engine=self.engine, routing=self.routing, ctx=self.ctx, draft_ctx=self.draft_ctx,
                             model_path=self.target.path, draft_path=self.draft.path if self.draft else None,
-                            device=",".join(d.name for d in cfg.pool_devices()), n_threads=cfg.n_threads,
-                            budget=",".join(str(d.budget_bytes or d.budget_ratio) for d in cfg.pool_devices()),
+                            device=",".join(d.name for d in cfg.pool), n_threads=cfg.n_threads,
+                            budget=",".join(str(d.budget.nbytes or d.budget.ratio) for d in cfg.pool),
                             gamma=self.gamma, k_max=cfg.k_max,
                             draft_kind=cfg.draft if self.draft is self.target else "")
         self.calibration = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
@@ -290,7 +283,7 @@ class Session:
         self._stats_prev = self.engine.stats()
         self.ctx.n_replays = 0  # the measurement's trims of whole batches are not the run's
 
-    def _open_draft_routing(self, Routing) -> None:
+    def _open_draft_routing(self) -> None:
         """An MoE draft with the target's experts (the quantised self-draft) routes the tokens it
         drafts: export that routing too, a lookahead for the next verify pass."""
         d, t = self.draft, self.target
@@ -543,7 +536,7 @@ class Session:
             t_draft_token=draft_s / n_drafted if n_drafted else np.nan,
             t_layer=np.full(n_layer, verify_s / n_layer), expert_bytes=self.calibration.expert_bytes,
             free_slots=int(s["n_slots"] - s["n_resident"]), n_drafted=n_drafted,
-            copies_block_device=copies_block_compute(self.cfg.device),
+            copies_block_device=copies_block_compute(self.cfg.pool[0].name),
             free_slots_per_device=tuple(int(now["n_slots"] - now["n_resident"]) for now, _ in devices),
             t_io_per_device=tuple(t_io(now, then) for now, then in devices),
             copies_block_per_device=tuple(copies_block_compute(now["device"]) for now, _ in devices))

@@ -1,7 +1,8 @@
 """What every `spac` command shares with the user: one-line errors, safe output files, and the
 option block of `generate`, `chat`, `calibrate` (and `serve`, `trace record`) declared once.
 
-    from orchestrator.options import RunOptions, open_session, run_options
+    from orchestrator.cli.options import RunOptions, run_options
+    from orchestrator.cli.setup import open_session
 
     @app.command()
     @run_options("model", "sampling")         # groups: "model", "sampling", "ablations" (default: all)
@@ -13,15 +14,16 @@ option block of `generate`, `chat`, `calibrate` (and `serve`, `trace record`) de
 `OPTIONS` holds each knob once (flags, type, default, help, in llama.cpp's names);
 `run_options` adds the chosen groups to a typer command and hands it one checked `RunOptions`
 (`RunOptions.from_cli`: every value valid, --expert-budget parsed once into a `Budget`, the seed
-drawn once when --seed < 0 so it can be reported). `session_setup` turns options into a
-`SessionConfig` with the default models and the placement (`orchestrator.placement`); it loads
-nothing (`spac generate --dry-run`). Also:
+drawn once when --seed < 0 so it can be reported; --device and --expert-budget made once into
+the pool's list of `PoolDevice`s). `setup.session_setup` turns the options into a session's
+config. Also:
 
     fail("--temp must be a finite number")      # "spac: error: ..." on stderr, exit 2
     check_output(dst, force, inputs=[src])      # the output is not the input, nor exists unless --force
 
-Why ~430 lines: every shared flag, its check and its error text sit in one table here so that
-no command re-declares them; placement (placement.py) and the commands (cli.py) are separate.
+Why ~330 lines: every shared flag, its check and its error text sit in one table here so that
+no command re-declares them; what the options make (cli/setup.py), the placement
+(engine/placement.py) and the commands (cli/main.py) are separate.
 """
 
 from __future__ import annotations
@@ -39,8 +41,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Annotated, Optional
 
+import psutil
 import typer
 
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.engine.pool import Budget, PoolDevice, StreamPrefill
+from orchestrator.engine.rpc import parse_endpoint
 from orchestrator.policies.spac import Ablations
 
 EXIT_USAGE = 2
@@ -75,58 +81,6 @@ def check_output(dst: Path, force: bool = False, inputs: Iterable[Path] = ()) ->
         fail(f"cannot write {dst}: directory {dst.parent} does not exist")
 
 
-# ----------------------------------------------------------------------------- --expert-budget
-
-_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
-
-
-@dataclass(frozen=True)
-class Budget:
-    """--expert-budget, parsed once: `nbytes` > 0, or `ratio` in (0, 1] of all expert bytes.
-    Neither (`Budget()`, the flag not given): the placement rule decides (`orchestrator.placement`)."""
-
-    nbytes: int = 0
-    ratio: float = 0.0
-
-    @property
-    def auto(self) -> bool:
-        return not self.nbytes and not self.ratio
-
-    @classmethod
-    def parse(cls, text: str | None) -> Budget:
-        """"25%" → ratio 0.25; "512M", "2GiB", "123456" → bytes. Anything that would leave the
-        pool empty or is ambiguous ("0", "0%", "-5%", "0.5", "150%") raises ValueError naming
-        the flag; --no-engine is how the pool is turned off."""
-        if text is None:
-            return cls()
-        s = text.strip().upper().replace(" ", "")
-        hint = "give bytes (512M, 2GiB) or a percentage of all experts (25%); --no-engine turns the pool off"
-        if s.endswith("%"):
-            try:
-                pct = float(s[:-1])
-            except ValueError:
-                raise ValueError(f"--expert-budget {text!r}: {hint}") from None
-            if not 0 < pct <= 100 or pct != pct:
-                raise ValueError(f"--expert-budget {text!r}: a percentage must be in (0, 100]; {hint}")
-            return cls(ratio=pct / 100.0)
-        m = re.fullmatch(r"(-?[0-9]*\.?[0-9]+)([KMGT]?I?)B?", s)
-        if not m:
-            raise ValueError(f"--expert-budget {text!r}: {hint}")
-        value, unit = float(m.group(1)), m.group(2)
-        if not unit and value != int(value):
-            raise ValueError(f"--expert-budget {text!r} is ambiguous (a fraction of bytes?): {hint}")
-        nbytes = int(value * _UNITS[unit])
-        if nbytes <= 0:
-            raise ValueError(f"--expert-budget {text!r} leaves the pool empty: {hint}")
-        return cls(nbytes=nbytes)
-
-    def describe(self) -> str:
-        if self.nbytes:
-            return f"{self.nbytes / 2**20:.0f} MiB"
-        return f"{self.ratio:.0%} of the experts" if self.ratio else "auto"
-
-
 # ----------------------------------------------------------------------------- the shared option block
 
 def default_threads(sys_devices: Path = Path("/sys/devices")) -> int:
@@ -144,8 +98,6 @@ def default_threads(sys_devices: Path = Path("/sys/devices")) -> int:
             break
     if siblings:
         return len(siblings)
-    import psutil
-
     return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
@@ -247,18 +199,16 @@ class RunOptions:
     model_draft: Path | None = None
     draft: str | None = None     # None (auto), "pool", "mtp" or "none"
     draft_max: int = 8
-    expert_budget: Budget = Budget()
-    device: str | None = None
-    extra_devices: tuple[str, ...] = ()     # --device A,B,...: the devices after the first
-    extra_budgets: tuple[Budget, ...] = ()  # --expert-budget X,Y,...: the budgets after the first
+    # --device and --expert-budget: one entry per device with its budget (a name None: not given)
+    pool: tuple[PoolDevice, ...] = (PoolDevice(),)
     rpc: tuple[str, ...] = ()    # RPC servers' HOST:PORT
     n_gpu_layers: str = "auto"  # "auto", "all" or a number
     threads: int = _DEFAULT_THREADS
-    repack: str = "auto"         # auto | on | off (orchestrator.host_layout)
+    repack: str = "auto"         # auto | on | off (orchestrator.engine.host_layout)
     ctx_size: int = 0
     ubatch_size: int = 512
     engine: bool | None = None
-    stream_prefill: str = "auto"  # auto | ahead | used | off
+    stream_prefill: StreamPrefill = StreamPrefill.AUTO
     check_tensors: bool = False
     mmap: bool = True
     recalibrate: bool = False
@@ -291,8 +241,9 @@ class RunOptions:
         v["repack"] = str(v["repack"]).strip().lower()
         if v["repack"] not in ("auto", "on", "off"):
             fail(f"--repack must be auto, on or off, got {v['repack']!r}")
-        v["stream_prefill"] = str(v["stream_prefill"]).strip().lower()
-        if v["stream_prefill"] not in ("auto", "ahead", "used", "off"):
+        try:
+            stream = StreamPrefill(str(v["stream_prefill"]).strip().lower())
+        except ValueError:
             fail(f"--stream-prefill must be auto, ahead, used or off, got {v['stream_prefill']!r}")
         if v["ubatch_size"] < 1:
             fail(f"-ub/--ubatch-size must be >= 1, got {v['ubatch_size']}")
@@ -315,8 +266,7 @@ class RunOptions:
             fail("--device: CPU (the test stand-in) cannot be one of several devices")
         if len(budgets) > 1 and len(budgets) != len(devices):
             fail(f"--expert-budget: {len(budgets)} values for {len(devices)} device(s) (give one, or one per --device)")
-        from orchestrator.rpc import parse_endpoint
-
+        pool = tuple(PoolDevice(d, b) for d, b in zip(devices, budgets * len(devices) if len(budgets) == 1 else budgets))
         rpc = tuple(e.strip() for e in (v["rpc"] or "").split(",") if e.strip())
         for endpoint in rpc:
             try:
@@ -330,16 +280,16 @@ class RunOptions:
         for path, flag in ((v["model"], "-m/--model"), (v["model_draft"], "-md/--model-draft")):
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
-        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], expert_budget=budgets[0],
-                   device=devices[0], extra_devices=tuple(devices[1:]), extra_budgets=tuple(budgets[1:]), rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
-                   stream_prefill=v["stream_prefill"],
+        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
+                   stream_prefill=stream,
                    check_tensors=v["check_tensors"], mmap=v["mmap"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
                    stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))
 
-    def sampling(self):
-        from orchestrator.sampling import SamplingParams
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stream_prefill", StreamPrefill(self.stream_prefill))  # RunOptions(stream_prefill="off")
 
+    def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temp, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     def ablation_switches(self):
@@ -376,188 +326,3 @@ def run_options(*groups: str):
         return command
 
     return decorate
-
-
-# ----------------------------------------------------------------------------- models and placement
-
-def default_models(models_dir: Path | None = None) -> tuple[Path | None, Path | None]:
-    """(target, default draft) of the shipped models (`orchestrator.models`), or (None, None)
-    when there is no manifest; the draft is None if the manifest names none."""
-    from orchestrator import models
-
-    models_dir = models_dir or models.MODELS_DIR
-    try:
-        target = models.default_model("target", models_dir)
-    except (OSError, KeyError, ValueError):
-        return None, None
-    try:
-        draft = models.default_model("draft", models_dir)
-    except (KeyError, ValueError):
-        draft = None
-    return target, draft
-
-
-def _is_shipped_target(path: Path, target: Path) -> bool:
-    """The shipped target, by path or (same size first, then sha256) by content: a copy
-    elsewhere still finds its draft."""
-    from orchestrator import models
-
-    try:
-        if path.resolve() == target.resolve():
-            return True
-        entry = next(f for f in models.manifest(target.parent)["files"] if f["role"] == "target")
-        return path.stat().st_size == entry["bytes"] and models.sha256_file(path) == entry["sha256"]
-    except (OSError, KeyError, StopIteration, ValueError):
-        return False
-
-
-def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
-    """(target, draft, note): -m/-md, else the shipped models, else the pool draft (POOL_DRAFT,
-    dropped by session_setup when the pool is off); note says why there is no draft."""
-    from orchestrator.speculative import MTP_DRAFT, POOL_DRAFT
-
-    model, draft = opts.model, opts.model_draft
-    shipped_target, shipped_draft = default_models()
-    note = ""
-    if opts.draft in ("pool", "mtp"):
-        draft = POOL_DRAFT if opts.draft == "pool" else MTP_DRAFT
-    if model is None:
-        if shipped_target is None:
-            fail("no model given (-m) and no shipped default models (orchestrator/models/MANIFEST.json is missing)")
-        model = shipped_target
-        draft = draft or shipped_draft
-    elif draft is None:
-        if shipped_target is not None and _is_shipped_target(model, shipped_target):
-            draft = shipped_draft
-        else:
-            draft = POOL_DRAFT  # the target drafts through its pool, if it gets one (session_setup)
-    if opts.draft == "none":
-        draft, note = None, "no draft (--draft none)"
-    if opts.draft_max == 0 and draft is not None:
-        draft, note = None, "no draft (--spec-draft-n-max 0)"
-    if "no_sd" in opts.ablations and draft is not None:
-        draft, note = None, "no draft (--no-sd)"
-    return model, draft, note
-
-
-@dataclass
-class Setup:
-    """What `open_session` decided before loading anything."""
-
-    config: object             # orchestrator.speculative.SessionConfig
-    notes: list[str]           # one line each, for the header and --json: no draft, pool placement
-    pool_off_reason: str = ""  # empty when the pool is (to be) on
-    state_bytes: int = 0       # a hybrid model's recurrent states, every layer (placement.recurrent_states)
-
-
-def session_setup(opts: RunOptions) -> Setup:
-    """SessionConfig and placement from the options; a bad file, device or budget is `fail`."""
-    from orchestrator.llm import ModelError, check_gguf
-    from orchestrator.placement import (GPU, PlacementError, first_gpu, model_sizes, place, place_several,
-                                        recurrent_states)
-    from orchestrator.native import engine_built
-    from orchestrator.speculative import MTP_DRAFT, POOL_DRAFT, SessionConfig
-
-    model, draft, draft_note = resolve_models(opts)
-    for path in (model, draft):
-        if path is not None and path not in (POOL_DRAFT, MTP_DRAFT):
-            try:
-                check_gguf(path)
-            except ModelError as e:
-                fail(str(e))
-    try:
-        sizes = model_sizes(model)
-    except Exception as e:  # noqa: BLE001 - the gguf reader raises many kinds on a damaged file
-        fail(f"{model}: cannot read the GGUF header ({type(e).__name__}: {e})")
-    n_ctx = opts.ctx_size or sizes.n_ctx_train or 4096
-    engine = opts.engine
-    if engine is None and (opts.device is not None or not opts.expert_budget.auto):
-        engine = True  # asked for a pool: failing to make one is an error, not a silent fallback
-    built = engine_built()
-    if engine and not built:
-        fail("--engine/--device/--expert-budget: this llama.cpp has no spac engine (run scripts/build_native.py)")
-    if opts.rpc:  # before anything lists devices: the servers' devices join ggml's list
-        from orchestrator.native import NativeError
-        from orchestrator.rpc import register_servers
-
-        try:
-            register_servers(opts.rpc)
-        except NativeError as e:
-            fail(f"--rpc: {e}")
-    names = [opts.device, *opts.extra_devices] if opts.device is not None else []
-    seen: dict[str, GPU] = {}
-    if names != ["CPU"]:
-        from orchestrator.placement import devices
-
-        seen = {name: GPU(name, free, total) for name, _, free, total in devices()}
-        for name in names:
-            if name not in seen:
-                fail(f"--device {name}: no such device; ggml sees {', '.join(seen)} (CPU = the test stand-in)")
-        if not names and engine is not False and sizes.expert_bytes:
-            # as llama.cpp: every GPU it sees takes layers (an RPC server's device counts as one)
-            names = [name for name, kind, _, _ in devices() if kind == 1]
-
-    def plan(states: int):
-        try:
-            if len(names) > 1:
-                if not sizes.expert_bytes or engine is False:
-                    fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
-                         "give one device")
-                return place_several(sizes, n_ctx, [seen[n] for n in names], [opts.expert_budget, *opts.extra_budgets],
-                                     opts.n_gpu_layers, stream=opts.stream_prefill != "off", states=states)
-            return place(sizes, n_ctx, first_gpu(), opts.device, opts.expert_budget, opts.n_gpu_layers,
-                         engine if sizes.expert_bytes else False, stream=opts.stream_prefill != "off", states=states)
-        except PlacementError as e:
-            fail(str(e))
-
-    def pool_off(p) -> str:
-        if not sizes.expert_bytes:
-            return f"expert pool off: {model.name} is dense (no routed experts)"
-        if engine is False:
-            return "expert pool off (--no-engine)"
-        if not built:
-            return "expert pool off: this llama.cpp has no spac engine (scripts/build_native.py)"
-        return p.note if p.device is None else ""
-
-    # a hybrid's recurrent states: γ snapshots in the target's context when it speculates, two in a pool draft's
-    p = plan(recurrent_states(opts.draft_max if draft is not None else 0, draft == POOL_DRAFT))
-    off = pool_off(p)
-    if draft == POOL_DRAFT and off and sizes.state_bytes:  # no pool, no pool draft: the target's one state
-        p = plan(recurrent_states(0, False))
-        off = pool_off(p)
-    if not p.stream_prefill and opts.stream_prefill in ("ahead", "used"):  # asked for: an error, not a note
-        fail(f"--stream-prefill {opts.stream_prefill}: {p.stream_off} (a smaller --expert-budget makes room)")
-    notes = [n for n in (draft_note,) if n]
-    notes.append(off or p.note)
-    if draft == POOL_DRAFT and off:
-        if opts.draft == "pool":
-            fail(f"--draft pool needs the expert pool, which is off: {off}")
-        draft = None
-        notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
-    elif draft == POOL_DRAFT:
-        notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
-    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size,
-                        n_threads=opts.threads,
-                        repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine, device=p.device,
-                        stream_prefill="off" if not p.stream_prefill else None if opts.stream_prefill == "auto"
-                        else opts.stream_prefill,
-                        budget_bytes=p.pool_bytes, budget_ratio=p.pool_ratio, extra_devices=p.extra_devices,
-                        tensor_split=p.tensor_split,
-                        ablations=opts.ablation_switches(),
-                        recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
-                        mmap=opts.mmap)
-    return Setup(cfg, notes, off, p.state_bytes)
-
-
-def open_session(opts: RunOptions):
-    """(Session, Setup), or one clear line and exit 2 (bad file, vocabulary mismatch, engine).
-    Ctrl-C while loading raises KeyboardInterrupt (never lost in a native callback)."""
-    from orchestrator.llm import ModelError
-    from orchestrator.native import NativeError
-    from orchestrator.speculative import Session
-
-    setup = session_setup(opts)
-    try:
-        return Session(setup.config), setup
-    except (ModelError, NativeError, ValueError) as e:
-        fail(str(e))

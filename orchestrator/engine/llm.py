@@ -2,6 +2,10 @@
 
 Everything per token stays in numpy views of llama.cpp's own buffers: the batch arrays are
 written through views, logits are read through a view (no copies).
+
+Why ~460 lines: Context carries a hybrid model's recurrent state too (llama.cpp's snapshots,
+checkpoints, forks and replays, so that every trim is exact), and Model the load options
+(devices, tensor split, host layout, MTP layers); the engine's own bindings are native.py.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from pathlib import Path
 import numpy as np
 
 import llama_cpp as L
+
+from orchestrator.engine import host_layout
+from orchestrator.engine.native import ggml_device_api, ggml_library, model_plain_twins
 
 GGML_TYPE_F32 = 0
 _GGUF_MAGIC = b"GGUF"
@@ -70,7 +77,7 @@ def _silence_logs() -> None:
     L.llama_log_set(_quiet_log, ctypes.c_void_p())
 
 
-# the host weights' layout (orchestrator.host_layout): "auto" repacks each tensor type where this
+# the host weights' layout (orchestrator.engine.host_layout): "auto" repacks each tensor type where this
 # CPU's measurement says decoding is faster repacked; "on" is llama.cpp's default (every weight its
 # extra CPU buffer types take), "off" the plain layout (the test device's bit-identical checks)
 DEFAULT_REPACK = "auto"
@@ -95,8 +102,6 @@ def deferred_sigint() -> Iterator[Callable[[], bool]]:
 
 
 def _cpu_buffer_type() -> int:
-    from orchestrator.native import ggml_library
-
     f = ggml_library("ggml-cpu").ggml_backend_cpu_buffer_type
     f.restype = ctypes.c_void_p
     return f()
@@ -108,16 +113,6 @@ class _TensorBuftOverride(ctypes.Structure):
 
 # llama.cpp's --cpu-moe: the routed experts stay in host RAM whatever -ngl offloads
 _EXPERTS_PATTERN = rb"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-
-
-def quantize(src: Path, dst: Path, ftype: int, n_threads: int = 0, what: str = "") -> None:
-    """llama.cpp's quantizer: write src re-quantized to file type `ftype` (a llama_ftype) to dst."""
-    params = L.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = n_threads
-    rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize({what or Path(src).name}) failed with code {rc}")
 
 
 class Model:
@@ -138,10 +133,8 @@ class Model:
         plain twins of repacked weights read the mapping, so without one a prompt runs the
         repacked kernels (layout.n_plain_twins is 0).
         mtp: also load the file's multi-token-prediction layers (llama.cpp's load_mtp), which only
-        an MTP draft runs (`orchestrator.mtp_draft`)."""
+        an MTP draft runs (`orchestrator.decoding.mtp_draft`)."""
         global _load_errors
-        from orchestrator import host_layout
-
         self.path = check_gguf(path)
         self.ptr = None
         init_backend(verbose)
@@ -151,8 +144,6 @@ class Model:
         # output on the device (N alone would leave the first of them on the host)
         params.n_gpu_layers = n_gpu_layers + 1 if n_gpu_layers > 0 else n_gpu_layers
         if devices:  # llama.cpp's --device: only these take layers (in proportion to their free memory)
-            from orchestrator.native import ggml_device_api
-
             g = ggml_device_api()
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*[g.ggml_backend_dev_by_name(d.encode()) for d in devices], None)
             params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
@@ -189,8 +180,6 @@ class Model:
             raise ModelError(f"llama.cpp could not load {self.path}: {why or 'corrupt file or unsupported architecture'}")
         twin_types = self.layout.plain_prefill_types()
         if twin_types:  # decoding on the repacked layout, prefill on the file's (host_layout)
-            from orchestrator.native import model_plain_twins
-
             self.layout.n_plain_twins = model_plain_twins(self.ptr, self.path, host_layout.PREFILL_MIN_TOKENS, twin_types)
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))

@@ -18,6 +18,10 @@ calibration.
 The micro-benchmark speaks ggml's public C API through ctypes (the libraries llama.cpp loaded):
 a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
 backend. A layout that does not take a tensor (type or row count) is reported as such.
+
+Why ~500 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
+needs (buffer types, one MUL_MAT_ID graph), the timing, its per-CPU cache and the choice per
+type and phase sit together; llama.cpp is told the choice in llm.py.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from orchestrator.engine.calibrate import cache_path
+from orchestrator.engine.native import ggml_library
 
 REPACK_MODES = ("auto", "on", "off")
 REPACK_BUFT = "CPU_REPACK"
@@ -72,8 +79,6 @@ class _TensorHead(ctypes.Structure):
 
 
 def _bind() -> dict:
-    from orchestrator.native import ggml_library
-
     base, reg, cpu = ggml_library("ggml-base"), ggml_library("ggml"), ggml_library("ggml-cpu")
 
     def fn(lib, name, restype, *argtypes):
@@ -328,8 +333,6 @@ def read_weights(path: str | Path) -> tuple[int, list[tuple[str, int, list[int]]
 
 
 def layout_cache_path() -> Path:
-    from orchestrator.calibrate import cache_path
-
     return cache_path().with_name("host_layout.json")
 
 
@@ -351,8 +354,6 @@ def cpu_model_and_flags() -> tuple[str, set[str]]:
 def _cpu_key() -> str:
     """What the times depend on: the CPU (a model name alone is ambiguous: "AMD EPYC" comes with
     and without AVX-512) and the build of ggml-cpu."""
-    from orchestrator.native import ggml_library
-
     model, flags = cpu_model_and_flags()
     lib = Path(ggml_library("ggml-cpu")._name).stat()
     key = f"{model}|{' '.join(sorted(flags))}|{os.cpu_count()}|{lib.st_size}-{lib.st_mtime_ns}"

@@ -4,19 +4,20 @@
     spac chat
     spac calibrate
     spac serve --port 8080      (orchestrator.server)
-    spac rpc-server -p 50052    (this machine's device for --rpc elsewhere; orchestrator.rpc)
+    spac rpc-server -p 50052    (this machine's device for --rpc elsewhere; orchestrator.engine.rpc)
 
 Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
 ...); the block shared by generate, chat and calibrate (and serve) is declared once in
-`orchestrator.options`. With no -m, the shipped default models (orchestrator/models/MANIFEST.json) are used;
+`orchestrator.cli.options`. With no -m, the shipped default models (orchestrator/models/MANIFEST.json) are used;
 -m naming the shipped target (or a copy of it) without -md takes the shipped default draft.
 Without a draft, decoding is autoregressive. Bad input is one line on stderr and exit code 2;
 Ctrl-C is `stop: interrupted` and exit code 130.
 
 The `spac sim`, `spac trace` and `spac draft` groups come from their modules, mounted at the end.
 
-Why ~410 lines: the four commands and chat's interactive loop (live status, Ctrl-C handling);
-the shared options are in options.py, the server in server/.
+Why ~450 lines: five commands (generate, chat, calibrate, serve, rpc-server), --json's report
+and chat's interactive loop (live status, Ctrl-C handling); the shared options are options.py,
+what they make setup.py, the server server/.
 """
 
 from __future__ import annotations
@@ -25,21 +26,26 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
+import numpy as np
 import typer
 from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
-from orchestrator import drafts, profile_measure, record
-from orchestrator.llm import deferred_sigint
-from orchestrator.options import (EXIT_INTERRUPTED, Budget, RunOptions, default_models, fail, open_session,
-                                  run_options, session_setup)
+from orchestrator.cli import drafts, profile_measure, record
+from orchestrator.cli.options import EXIT_INTERRUPTED, RunOptions, default_threads, fail, run_options
+from orchestrator.cli.setup import open_session, session_setup
+from orchestrator.decoding.speculative import Session
+from orchestrator.engine import rpc
+from orchestrator.engine.llm import ModelError, deferred_sigint
+from orchestrator.engine.native import NativeError
 from orchestrator.sim import cli as sim_cli
 
-__all__ = ["app", "default_models", "main", "parse_budget"]
+__all__ = ["app", "main"]
 
 app = typer.Typer(name="spac", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Speculative decoding for MoE GGUF models with a device expert pool.")
@@ -47,13 +53,6 @@ err = Console(stderr=True, highlight=False)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def parse_budget(text: str | None) -> tuple[int, float]:
-    """--expert-budget as (bytes, ratio): "25%" → (0, 0.25), "2GiB" → (2 << 30, 0). Not given:
-    (0, 0.0), the placement rule decides. A bad value raises ValueError naming the flag."""
-    b = Budget.parse(text)
-    return b.nbytes, b.ratio
-
 
 def _clean(text: str) -> str:
     """Text from argv, a file or stdin as valid UTF-8: bytes a shell in another locale passed
@@ -113,8 +112,8 @@ def _run_info(session, setup, opts: RunOptions) -> dict:
             # trim past that computed the kept tokens again
             "recurrent": {"rollback": ctx.rollback, "replays": ctx.n_replays} if ctx.recurrent else None,
             "seed": opts.seed, "seed_random": opts.seed_random,
-            "pool_device": session.cfg.device if session.engine is not None else None,
-            "budget_bytes": session.cfg.budget_bytes, "budget_ratio": session.cfg.budget_ratio,
+            "pool_device": session.cfg.pool[0].name if session.engine is not None else None,
+            "budget_bytes": session.cfg.pool[0].budget.nbytes, "budget_ratio": session.cfg.pool[0].budget.ratio,
             "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,
             "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers, "n_threads": session.cfg.n_threads,
             "host_layout": session.target.layout.to_dict(), "host_layout_summary": session.target.layout_report(),
@@ -140,8 +139,6 @@ def _drop_stdout() -> None:
 
 def _nan_output(session) -> str:
     """Why the output is garbage, when the target's last logits hold NaN or Inf ("" if not)."""
-    import numpy as np
-
     try:
         finite = bool(np.isfinite(session.ctx.logits()).all())
     except (AttributeError, ValueError):  # no decode yet
@@ -176,17 +173,16 @@ def generate(
     *, opts: RunOptions,
 ) -> None:
     """Generate a continuation of PROMPT. Ctrl-C stops it (stop: interrupted, exit code 130)."""
-    from orchestrator.llm import ModelError
-
     text = _read_prompt(prompt, prompt_opt, file) if not dry_run else ""
     max_tokens = _no_limit(n_predict)
     if dry_run:
         setup = session_setup(opts)
         cfg = setup.config
         info = {"model": str(cfg.model), "draft": str(cfg.draft) if cfg.draft else None, "gamma": cfg.gamma if cfg.draft else 0,
-                "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.device if cfg.engine is not False else None,
-                "budget_bytes": cfg.budget_bytes, "budget_ratio": cfg.budget_ratio,
-                "pool_devices": [vars(d) for d in cfg.pool_devices()] if cfg.engine is not False else [],
+                "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.pool[0].name if cfg.engine is not False else None,
+                "budget_bytes": cfg.pool[0].budget.nbytes, "budget_ratio": cfg.pool[0].budget.ratio,
+                "pool_devices": [{"name": d.name, "budget_bytes": d.budget.nbytes, "budget_ratio": d.budget.ratio}
+                                 for d in cfg.pool] if cfg.engine is not False else [],
                 "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed,
                 "recurrent_state_bytes": setup.state_bytes}
         _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
@@ -307,8 +303,6 @@ def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> 
 
     Finished lines are printed above the live area, which holds only the line being written
     and the status: a long answer never outgrows the terminal (rich would freeze it)."""
-    from orchestrator.llm import ModelError
-
     pending = ""  # the unfinished last line
     width = max(console.width, 20)
 
@@ -370,8 +364,6 @@ def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> 
 @run_options("model")
 def calibrate(*, opts: RunOptions) -> None:
     """Measure the unit costs of the workload balancer again and print them as JSON."""
-    from dataclasses import asdict, replace
-
     opts = replace(opts, recalibrate=True, engine=True, ablations=())
     try:
         session, _ = open_session(opts)
@@ -399,11 +391,10 @@ def serve(
 
     The sampling options are the defaults of requests that leave them out (--seed -1: a new seed
     per request). SIGINT/SIGTERM stop it cleanly (exit 0)."""
-    from dataclasses import replace
-
+    # imported here: the server's web stack (starlette, uvicorn, pydantic) costs every other command
+    # ~0.2 s of start-up
     from orchestrator.server import Defaults
     from orchestrator.server import serve as run_server
-    from orchestrator.speculative import Session
 
     if queue_size < 0:
         fail(f"--queue must be >= 0, got {queue_size}")
@@ -428,10 +419,6 @@ def rpc_server(
 ) -> None:
     """Serve this machine's GPU (or CPU) to spac or llama.cpp on another machine (`--rpc HOST:PORT`
     there), as llama.cpp's rpc-server. Unauthenticated: never on an untrusted network."""
-    from orchestrator import rpc
-    from orchestrator.native import NativeError
-    from orchestrator.options import default_threads
-
     if not 0 < port < 65536:
         fail(f"-p/--port must be 1..65535, got {port}")
     if host not in ("127.0.0.1", "localhost", "::1"):

@@ -14,16 +14,17 @@ from typing import List, Optional
 
 import typer
 
-from orchestrator.options import RunOptions, open_session, run_options
-from orchestrator.placement import first_gpu
-from orchestrator.plan import StepRouting
-from orchestrator.sampling import SamplingParams
+from orchestrator.cli.options import RunOptions, run_options
+from orchestrator.cli.setup import open_session
+from orchestrator.decoding.sampling import SamplingParams
+from orchestrator.engine.placement import first_gpu
+from orchestrator.policies.plan import StepRouting
 from orchestrator.sim.cli import console, working
 from orchestrator.sim.trace import Trace, TraceWriter, read_trace
 
 
 def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None = None) -> Trace:
-    """Generate greedily from each prompt on an open `orchestrator.speculative.Session` (expert
+    """Generate greedily from each prompt on an open `orchestrator.decoding.speculative.Session` (expert
     engine on: it exports the routing) and write every verification step to `out`."""
     engine = session.engine
     if engine is None:
@@ -61,8 +62,8 @@ def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"
         texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
     if not texts:
         raise typer.BadParameter("give --prompt or --prompts-file", param_hint="--prompt")
-    if opts.device is None and first_gpu() is None:
-        opts = replace(opts, device="CPU")
+    if opts.pool[0].name is None and first_gpu() is None:  # no --device and no GPU: the CPU test device
+        opts = replace(opts, pool=(replace(opts.pool[0], name="CPU"),))
     session, _ = open_session(replace(opts, engine=True))
     try:
         with working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), session:

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.plan import Plan
 from orchestrator.policies.base import Feedback
+from orchestrator.policies.plan import Plan
 
 VERSION = 1
 _FINGERPRINT_BYTES = 1 << 20

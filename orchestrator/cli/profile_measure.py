@@ -39,7 +39,11 @@ live run routes new tokens every step (a batch repeated would meet weights that 
 last-level cache, 480 MiB on the test machine, has just seen); the whole measurement takes
 seconds on the test models and about a minute on a 4.6 GB target over the RPC device.
 
-This module drives the live engine (like `orchestrator.record`), so it lives outside `sim/`.
+This module drives the live engine (like `orchestrator.cli.record`), so it lives outside `sim/`.
+
+Why ~450 lines: each cost-model term has its measurement here (a synthetic model per preset,
+the rate fits, the checks of a fit), all of them driving the live engine; the profile file
+format is sim/profiles.py.
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ from typing import Optional
 import numpy as np
 import typer
 
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, Routing, copies_block_compute
+from orchestrator.engine.placement import devices, first_gpu
+from orchestrator.engine.rpc import rpc_device
+from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.policies.plan import Plan
 from orchestrator.sim import profiles
 from orchestrator.sim.profiles import MeasuredProfile
 
@@ -78,9 +89,6 @@ N_BATCH = 512
 
 def synthetic_model(tmp: Path, preset: str = "qwen3-30b-a3b", n_layer: int = 4, n_expert: int = 16) -> Path:
     """A small file with a real model's expert and attention shapes (random Q4_0 weights)."""
-    from orchestrator.gguf_export import byte_level_bpe_tokenizer, write_gguf
-    from orchestrator.synthetic_models import PRESETS, synthetic_tensors
-
     cfg = replace(PRESETS[preset], n_layer=n_layer, n_expert=min(n_expert, PRESETS[preset].n_expert), n_vocab=512)
     path = tmp / f"{preset}-{n_layer}l-q4_0.gguf"
     write_gguf(path, cfg, synthetic_tensors(cfg, seed=0), byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
@@ -100,9 +108,6 @@ class _Bench:
 
     def __init__(self, model, path: Path, device: str | None, n_threads: int, prefix: np.ndarray,
                  budget_bytes: int, n_ctx: int = N_CTX, **engine_args):
-        from orchestrator.llm import Context
-        from orchestrator.native import ExpertEngine, Routing
-
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=N_BATCH, n_threads=n_threads)
         self.engine = ExpertEngine(self.ctx.ptr, path, device=device, budget_bytes=budget_bytes, **engine_args)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
@@ -110,8 +115,6 @@ class _Bench:
         self.base = self.ctx.n_past
 
     def resident(self, utility: np.ndarray) -> np.ndarray:
-        from orchestrator.plan import Plan
-
         n_layer = self.engine.n_moe_layers
         self.engine.set_plan(Plan(utility=utility.astype(np.uint8), threshold=np.ones(n_layer, dtype=np.int32)))
         if not self.engine.wait_idle(600):
@@ -141,9 +144,6 @@ class _Bench:
 def _used(model, batches: list, prefix: np.ndarray, n_threads: int, n_expert: int) -> np.ndarray:
     """[n_layer, n_expert] bool: the experts the batches use after the prefix (the passes of fewer
     tokens are their prefixes, so they use a subset), from a plain context's routing export."""
-    from orchestrator.llm import Context
-    from orchestrator.native import Routing
-
     ctx = Context(model, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=n_threads)
     try:
         n_used = int(model.meta(f"{model.arch}.expert_used_count") or 1)
@@ -227,10 +227,6 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
     skip_absent: the live engine's setting on the device (the check pass and the zero slot).
     raw: filled with the timed passes, {"device"|"host": [(n, token counts of that side's experts, s)]}.
     mmap=False: the model as --no-mmap loads it (with a GPU, the pool copies from pinned memory)."""
-    from orchestrator.llm import Model
-    from orchestrator.native import copies_block_compute
-    from orchestrator.placement import devices
-
     tokens = tuple(sorted(set(int(n) for n in tokens)))
     target, quant = profiles.from_gguf(model_path)
     w_e = target.expert_bytes(quant)
@@ -383,9 +379,6 @@ def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
 
 def measure_draft(path: Path, n_threads: int, rng: np.random.Generator, n: int = 16) -> float:
     """Median seconds of one single-token draft decode, routing exported as the live loop does."""
-    from orchestrator.llm import Context, Model
-    from orchestrator.native import Routing
-
     draft = Model(path, n_threads=n_threads)
     ctx = Context(draft, n_ctx=N_CTX, n_batch=N_BATCH, n_threads=n_threads)
     try:
@@ -411,8 +404,6 @@ def measure_to_file(out: Path, gguf: Path | None, device: str | None, n_threads:
     127.0.0.1 with rpc_threads threads for the duration (the test machine's stand-in GPU)."""
     with ExitStack() as stack:
         if device == "rpc":
-            from orchestrator.rpc import rpc_device
-
             device = stack.enter_context(rpc_device(n_threads=rpc_threads))
         if gguf is None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -442,8 +433,6 @@ def measure_cmd(
     """Measure this machine (host and pool device) and write a hardware profile for `spac sim
     run --hardware FILE`: expert matmul rates by batch size on both sides, the crossing, the
     non-expert part of a pass, copy bandwidth, the draft's cost per token."""
-    from orchestrator.placement import first_gpu
-
     if device is None:
         gpu = first_gpu()
         device = gpu.name if gpu is not None else "CPU"

@@ -13,9 +13,10 @@ from `gguf`'s constants, never re-typed.
 Every file is written to a temporary name beside its destination and renamed when complete,
 so a failure never leaves a half-written model behind.
 
-Why ~520 lines: the model config, its tensor shapes and the writer must agree tensor by tensor
-for five architectures; the tokenizer (tokenizer.py) and the draft slicer (hot_experts.py) are
-separate.
+Why ~580 lines: the model config, its tensor shapes and the writer must agree tensor by tensor
+for every architecture the project makes files of (dense, MoE with and without shared experts,
+MLA, the hybrids' delta-net layers and MTP head); the tokenizer (tokenizer.py), the real-shaped
+presets (synthetic_models.py) and the draft slicer (hot_experts.py) are separate.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import gguf
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType
 
-from orchestrator.tokenizer import Tokenizer, byte_level_bpe_tokenizer
+from orchestrator.modelio.tokenizer import Tokenizer, byte_level_bpe_tokenizer
 
 __all__ = [
     "ARCHES",
@@ -507,11 +508,23 @@ def quantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], quan
     src = Path(src)
     if not src.is_file():
         raise FileNotFoundError(src)
-    from orchestrator.llm import quantize  # llama-cpp-python: built from the pinned sdist, optional here
-
     with atomic_path(dst) as tmp:
-        quantize(src, tmp, int(ft), n_threads, what=f"{src.name} -> {quant}")
+        _llama_quantize(src, tmp, int(ft), n_threads, what=f"{src.name} -> {quant}")
     return Path(dst)
+
+
+def _llama_quantize(src: Path, dst: Path, ftype: int, n_threads: int = 0, what: str = "") -> None:
+    """llama.cpp's quantizer: write src re-quantized to file type `ftype` (a llama_ftype) to dst."""
+    # imported here: llama-cpp-python (built from the pinned sdist) is needed by this function only,
+    # and the rest of the module (writing GGUFs) runs without it
+    import llama_cpp as L
+
+    params = L.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = n_threads
+    rc = L.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({what or Path(src).name}) failed with code {rc}")
 
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:

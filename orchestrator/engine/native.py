@@ -4,8 +4,10 @@ The functions live in the same libllama that llama-cpp-python loads, so they are
 its handle. `ExpertEngine` owns one `spac_engine` (one device), `SeveralPools` one per device;
 routing is read through numpy views of the context's host buffer (no copies).
 
-Why ~480 lines: one ctypes binding per C function of spac.h, the wrappers that own native
-memory (ExpertEngine, SeveralPools, Routing). The RPC backend's server and client side are orchestrator.rpc.
+Why ~510 lines: one ctypes binding per C function of spac.h (with its struct layouts, held
+against the header by tests/test_spac_header.py) and the wrappers that own native memory
+(ExpertEngine, SeveralPools, Routing); the pool's devices and budgets are pool.py, the RPC
+backend's server and client side rpc.py.
 """
 
 from __future__ import annotations
@@ -13,21 +15,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
 import numpy as np
 
-from orchestrator.plan import Plan
+from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, PoolDevice, StreamPrefill
+from orchestrator.policies.plan import Plan
 
 _ERR_LEN = 512
 _UINT8, _INT32 = np.dtype(np.uint8), np.dtype(np.int32)
-
-
-# the pool's share of all expert bytes when no budget is given: the C API's default too
-# (spac_engine_default_params; tests/test_engine.py holds the two equal)
-DEFAULT_BUDGET_RATIO = 0.25
 
 
 class SpacEngineParams(ctypes.Structure):
@@ -53,10 +50,8 @@ class SpacEngineParams(ctypes.Structure):
 # experts on the device and the host experts on the host, the device half queued first, one
 # crossing each way; "per-matmul" splits every expert matmul and sums it at once (the baseline)
 SPLIT_GRAPHS = {"overlap": 0, "per-matmul": 1}
-# a large ubatch's experts through the pool (enum spac_stream_prefill): "ahead" copies every
-# non-resident expert of the next layer while one computes, "used" the experts a layer's router
-# chose, once it has run (True = "ahead")
-STREAM_PREFILL = {"off": 0, "ahead": 1, "used": 2}
+# a large ubatch's experts through the pool (pool.StreamPrefill): its value in enum spac_stream_prefill
+STREAM_PREFILL = {StreamPrefill.OFF: 0, StreamPrefill.AHEAD: 1, StreamPrefill.USED: 2}
 # where the halves meet (enum spac_join): "auto" = per expert on a CPU pool, partial sums on a device
 JOINS = {"auto": 0, "per-expert": 1, "partial-sums": 2}
 # benchmarks only: time one half of every split layer alone (the outputs are then wrong)
@@ -121,7 +116,7 @@ def _bind():
         "routing_get": fn("spac_routing_get", c_int32, ctx_p, POINTER(c_void_p), POINTER(c_void_p)),
         "routing_get_unmasked": fn("spac_routing_get_unmasked", c_int32, ctx_p, POINTER(c_void_p)),
         "routing_n_moe_layers": fn("spac_routing_n_moe_layers", c_int32, ctx_p),
-        # the MTP draft (orchestrator.mtp_draft): llama.cpp's nextn hidden states (patch 0020)
+        # the MTP draft (orchestrator.decoding.mtp_draft): llama.cpp's nextn hidden states (patch 0020)
         "set_embeddings_nextn": fn("spac_set_embeddings_nextn", None, ctx_p, c_bool, c_bool),
         "get_embeddings_nextn": fn("spac_get_embeddings_nextn", c_void_p, ctx_p),
         "get_embeddings_nextn_ith": fn("spac_get_embeddings_nextn_ith", c_void_p, ctx_p, c_int32),
@@ -284,7 +279,7 @@ class ExpertEngine:
     Budget: budget_bytes if > 0, else budget_ratio of all expert bytes.
     stream_prefill: a ubatch of more than max_split_tokens computes its experts on the device,
     the non-resident ones streamed through two layers of staging slots (stats: n_staged, ...):
-    "ahead" (True) or "used" (STREAM_PREFILL).
+    StreamPrefill.AHEAD or USED (or their names).
     layers: the model layers [begin, end) whose experts this pool holds, (0, 0) every layer
     (several devices: `SeveralPools`, one engine per device on the same context).
     """
@@ -292,7 +287,8 @@ class ExpertEngine:
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
                  budget_ratio: float = DEFAULT_BUDGET_RATIO, max_split_tokens: int = 64, no_evict: bool = False,
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
-                 skip_absent: bool = False, only_half: str | None = None, stream_prefill: bool | str = False,
+                 skip_absent: bool = False, only_half: str | None = None,
+                 stream_prefill: StreamPrefill | str = StreamPrefill.OFF,
                  layers: tuple[int, int] = (0, 0)):
         self._ctx = _ctx_ptr(ctx)
         self.device = device or "CPU"
@@ -307,9 +303,9 @@ class ExpertEngine:
         p.copy_delay_us = int(copy_delay_us)
         p.skip_absent = bool(skip_absent)
         p.layer_begin, p.layer_end = int(layers[0]), int(layers[1])
-        stream = ("ahead" if stream_prefill else "off") if isinstance(stream_prefill, bool) else stream_prefill
-        if stream not in STREAM_PREFILL:
-            raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)} (or a bool), got {stream_prefill!r}")
+        stream = StreamPrefill(stream_prefill)
+        if stream not in STREAM_PREFILL:  # AUTO: resolved by the caller, which knows the device
+            raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)}, got {stream_prefill!r}")
         p.stream_prefill = STREAM_PREFILL[stream]
         for name, value, choices in (("split_graph", split_graph, SPLIT_GRAPHS), ("join", join, JOINS),
                                      ("only_half", only_half, ONLY_HALF)):
@@ -420,31 +416,20 @@ _PER_DEVICE = ("bytes_copied", "n_copies", "n_slots", "n_resident", "n_expert_to
                "bytes_staged")
 
 
-@dataclass(frozen=True)
-class PoolDevice:
-    """One device of a pool over several: its ggml name and budget (bytes, else a share of the
-    experts of the layers it holds)."""
-
-    name: str
-    budget_bytes: int = 0
-    budget_ratio: float = DEFAULT_BUDGET_RATIO
-
-
 class SeveralPools:
     """The expert pool over several devices: one ExpertEngine per device on the same context,
-    each holding the experts of the layers llama.cpp placed on that device (`layers`, from
-    `placement.pool_layer_ranges`). Same interface as one engine: a plan goes to every engine
+    each holding the experts of the layers llama.cpp placed on that device (`PoolDevice.layers`,
+    from `placement.pool_layer_ranges`). Same interface as one engine: a plan goes to every engine
     (each takes its own layers' part), stats are summed, with `per_device` rows besides."""
 
-    def __init__(self, ctx, model_path: str, devices: list[PoolDevice], layers: list[tuple[int, int] | None],
-                 **engine_args):
-        """layers[i] None: device i holds no MoE layer (leading dense layers), so no pool there."""
+    def __init__(self, ctx, model_path: str, devices: tuple[PoolDevice, ...], **engine_args):
+        """A device whose layers are None holds no MoE layer (leading dense layers): no pool there."""
         self.engines: list[ExpertEngine] = []
         try:
-            for dev, span in zip(devices, layers, strict=True):
-                if span is not None:
-                    self.engines.append(ExpertEngine(ctx, model_path, device=dev.name, budget_bytes=dev.budget_bytes,
-                                                     budget_ratio=dev.budget_ratio, layers=span, **engine_args))
+            for dev in devices:
+                if dev.layers is not None:
+                    self.engines.append(ExpertEngine(ctx, model_path, device=dev.name, budget_bytes=dev.budget.nbytes,
+                                                     budget_ratio=dev.budget.ratio, layers=dev.layers, **engine_args))
         except BaseException:
             self.close()
             raise

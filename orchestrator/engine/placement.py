@@ -2,7 +2,7 @@
 
     sizes = model_sizes("target.gguf")                 # read from the GGUF header, nothing loaded
     p = place(sizes, n_ctx=4096, gpu=first_gpu(), device=None, budget=Budget(), ngl="auto")
-    p.device, p.n_gpu_layers, p.pool_bytes, p.note
+    p.pool, p.n_gpu_layers, p.note                      # p.pool: (PoolDevice("CUDA0", Budget(nbytes=...)),)
 
 The rule (`place`, a pure function, unit-tested without a GPU), like llama.cpp's `-ngl auto`
 with `--fit`: with a GPU, the non-expert weights of as many layers as fit go to it (all of them
@@ -27,9 +27,9 @@ import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.model_sizes import ModelSizes, model_sizes, recurrent_layers, state_per_layer  # noqa: F401  (placement's inputs)
-from orchestrator.native import DEFAULT_BUDGET_RATIO, PoolDevice
-from orchestrator.options import Budget
+from orchestrator.engine.native import ggml_device_api
+from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice
+from orchestrator.modelio.model_sizes import ModelSizes, model_sizes, recurrent_layers, state_per_layer  # noqa: F401  (placement's inputs)
 
 MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
 CPU_RATIO = DEFAULT_BUDGET_RATIO  # pool size on the CPU test device when no --expert-budget is given
@@ -44,15 +44,17 @@ class GPU:
 
 @dataclass(frozen=True)
 class Placement:
-    device: str | None     # pool device; None: the pool is off
+    pool: tuple[PoolDevice, ...]  # the pool's devices, each with its budget, in layer order; (): the pool is off
     n_gpu_layers: int      # target layers whose non-expert weights go to the GPU
-    pool_bytes: int        # > 0: a byte budget for the pool
-    pool_ratio: float      # > 0: a share of all experts (when pool_bytes is 0)
     note: str              # one line: where things went and why (or why the pool is off)
     stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
-    extra_devices: tuple[PoolDevice, ...] = ()  # several devices (place_several): the others, in order
     tensor_split: tuple[float, ...] = ()         # several devices: llama.cpp's --tensor-split (their free memory)
     state_bytes: int = 0   # the contexts' recurrent states over every layer (a hybrid; with the layers, device or host)
+
+    @property
+    def device(self) -> str | None:
+        """The first pool device; None: the pool is off."""
+        return self.pool[0].name if self.pool else None
 
     @property
     def stream_prefill(self) -> bool:
@@ -122,17 +124,17 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
     if on_gpu is None and device is not None:  # CPU (the test stand-in) or a device of unknown memory (RPC)
         name = "the CPU test device" if device.upper() == "CPU" else device
         if budget.nbytes > sizes.expert_bytes > 0:
-            return Placement(device, want or 0, sizes.expert_bytes, 0.0, f"expert pool on {name}: every expert "
+            return Placement((PoolDevice(device, Budget(nbytes=sizes.expert_bytes)),), want or 0, f"expert pool on {name}: every expert "
                              f"(--expert-budget {_mib(budget.nbytes)} > {_mib(sizes.expert_bytes)} of experts){host}",
                              state_bytes=total_state)
-        return Placement(device, want or 0, budget.nbytes, budget.ratio or (0.0 if budget.nbytes else CPU_RATIO),
+        return Placement((PoolDevice(device, budget if not budget.auto else Budget(ratio=CPU_RATIO)),), want or 0,
                          f"expert pool on {name}, {budget.describe() if not budget.auto else f'{CPU_RATIO:.0%} of the experts'}"
                          f"{host}", state_bytes=total_state)
     if device is None and gpu is None:
         ngl_off = want or 0
         if engine:
             raise PlacementError("--engine: no GPU found for the expert pool (--device CPU runs it on the CPU test device)")
-        return Placement(None, ngl_off, 0, 0.0, "expert pool off: no GPU found (--device CPU runs it on the CPU test "
+        return Placement((), ngl_off, "expert pool off: no GPU found (--device CPU runs it on the CPU test "
                          f"device){host}", state_bytes=total_state)
     per_layer = _per_layer(sizes, n_ctx, states)
     if want is None:  # auto: as many layers as fit, keeping the margin
@@ -141,7 +143,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
     layers = f"{want}/{n_layer} layers on {on_gpu.name}{_state_note(sizes, states, want)}"
     if engine is False or not sizes.expert_bytes:
         why = "--no-engine" if sizes.expert_bytes else "the model has no routed experts"
-        return Placement(None, want, 0, 0.0, f"expert pool off ({why}); {layers}", state_bytes=total_state)
+        return Placement((), want, f"expert pool off ({why}); {layers}", state_bytes=total_state)
     left = int(on_gpu.free - used - margin)
     staging = sizes.staging_bytes if stream else 0
 
@@ -152,7 +154,8 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
         elif staging:
             off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {on_gpu.name}"
             note += f"; streamed prefill off: {off} (--stream-prefill off silences this; a smaller --expert-budget makes room)"
-        return Placement(on_gpu.name, want, pool, 0.0, note, stream_off=off, state_bytes=total_state)
+        return Placement((PoolDevice(on_gpu.name, Budget(nbytes=pool)),), want, note, stream_off=off,
+                         state_bytes=total_state)
 
     if not budget.auto:
         pool = budget.nbytes or int(budget.ratio * sizes.expert_bytes)
@@ -165,7 +168,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
         if engine:
             raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
                                  f"{_mib(used)} for {want} layers' {_held(sizes)}); lower -ngl or --ctx-size")
-        return Placement(None, want, 0, 0.0, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
+        return Placement((), want, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
                          f"({_mib(on_gpu.free)} free, {_mib(used)} for their {_held(sizes)})", state_bytes=total_state)
     # the staging slots first, unless the pool would then drop below one slot per layer
     room = left - staging if left - staging >= sizes.one_expert * n_layer else left
@@ -198,7 +201,7 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
     free memory left after them (the place() rule per device), or its --expert-budget (one entry
     per device, or one for all; a percentage is of its own layers' experts). The layers left on
     the host (-ngl below the layer count) go to the first device's pool. The first device is the
-    Placement's device, the others its extra_devices; the note has one part per device."""
+    Placement's device; the note has one part per device."""
     n_layer = max(sizes.n_layer, 1)
     if len(budgets) not in (1, len(gpus)):
         raise PlacementError(f"--expert-budget: {len(budgets)} values for {len(gpus)} devices (give one, or one per device)")
@@ -236,7 +239,7 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
             stream_off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {gpu.name}"
         share = f"{pool / experts:.0%} of its experts" if experts else "no experts"
         lo = sum(counts[:i])
-        out.append((PoolDevice(gpu.name, nbytes, ratio),
+        out.append((PoolDevice(gpu.name, Budget(nbytes, ratio)),
                     f"{gpu.name}: layers {lo}..{lo + n - 1}{_state_note(sizes, states, on_dev)}, "
                     f"expert pool {_mib(pool)} ({share})"))
     note = f"{want}/{n_layer} layers on {len(gpus)} devices; " + "; ".join(n for _, n in out)
@@ -246,11 +249,9 @@ def place_several(sizes: ModelSizes, n_ctx: int, gpus: list[GPU], budgets: list[
         note += f"; streamed prefill off: {stream_off}"
     elif staging:
         note += f"; + {_mib(staging)} of staging slots for streamed prefill on each"
-    head = out[0][0]
     # the free memory this rule split by is handed to llama.cpp as its --tensor-split, so that the
     # layers land where the budgets were sized, whatever the devices report at load time
-    return Placement(head.name, want, head.budget_bytes, head.budget_ratio, note, stream_off,
-                     extra_devices=tuple(d for d, _ in out[1:]), tensor_split=tuple(float(g.free) for g in gpus),
+    return Placement(tuple(d for d, _ in out), want, note, stream_off, tensor_split=tuple(float(g.free) for g in gpus),
                      state_bytes=sizes.state_bytes * states)
 
 
@@ -286,8 +287,6 @@ def pool_layer_ranges(layer_devices: list[str], pool_devices: list[str],
 def devices() -> list[tuple[str, int, int, int]]:
     """Every ggml device as (name, type, free bytes, total bytes); type 1 is a GPU
     (ggml_backend_dev_type). Read from ggml's backend registry, which llama.cpp fills."""
-    from orchestrator.native import ggml_device_api
-
     g = ggml_device_api()
     out = []
     for i in range(g.ggml_backend_dev_count()):

@@ -31,7 +31,8 @@ import numpy as np
 
 import llama_cpp as L
 
-from orchestrator.llm import Context, Model, ModelError
+from orchestrator.engine.llm import Context, Model, ModelError
+from orchestrator.engine.native import lib
 
 # SessionConfig.draft: the target's MTP head (a context on the loaded target, no second model)
 MTP_DRAFT = "mtp"
@@ -60,8 +61,6 @@ class MtpDraft:
     forks = True            # drafted tokens are dropped by `join` (they pair with the head's own states)
 
     def __init__(self, target: Model, ctx: Context, n_batch: int, n_threads: int):
-        from orchestrator.native import lib
-
         require_mtp(target)
         self.model, self._target = target, ctx
         self._lib = lib()

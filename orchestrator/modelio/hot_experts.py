@@ -1,6 +1,6 @@
 """The hot-expert self-draft (SpecMoE §III-B): a copy of a MoE GGUF that keeps, in every
 layer, the N experts most used in a routing profile (router rows sliced to match). Streams one
-tensor at a time and works on any quantization. `spac draft hot-experts` (orchestrator/drafts.py)
+tensor at a time and works on any quantization. `spac draft hot-experts` (orchestrator/cli/drafts.py)
 is its command."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from orchestrator.gguf_export import atomic_path
+from orchestrator.modelio.gguf_export import atomic_path
 
 _EXPERT_TENSORS = (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP,
                    MODEL_TENSOR.FFN_GATE_UP_EXP, MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_EXP_PROBS_B)
