@@ -9,8 +9,8 @@
    the draft's tokens on the host (orchestrator/cli/profile_measure.py), the host and the RPC server
    pinned to one CPU each for the whole run (--no-pin leaves them to the scheduler). --profile FILE
    reuses one.
-   --device CUDA0 -t 8 measures a real GPU instead, with that many host threads (README: "Checked
-   on a GPU"; bench/gpu_checks.sh truth runs it).
+   --device CUDA0 -t 8 measures a real GPU instead, with that many host threads (docs/gpu.md, "The first
+   lease"; bench/gpu_checks.sh truth runs it).
 2. Live: the target (default: the memory-bound target of scripts/make_memory_bound_target.py,
    written to runs/mb/ if missing) with the shipped Q4_0 self-draft, every layer's non-expert
    weights on the RPC device (-ngl 99) and the expert pool on it, greedy, the same prompts for

@@ -1,4 +1,4 @@
-"""Simulated GPU projections for the README: spac against llama.cpp's --n-cpu-moe (with and
+"""Simulated GPU projections (docs/simulator.md, "GPU projections"): spac against llama.cpp's --n-cpu-moe (with and
 without speculative decoding) on the datasheet profiles of orchestrator/profiles/hardware.toml,
 at the expert-pool budget each card leaves.
 
