@@ -1,8 +1,10 @@
-"""Simulated GPU projections (docs/simulator.md, "GPU projections"): spac against llama.cpp's --n-cpu-moe (with and
-without speculative decoding) on the datasheet profiles of orchestrator/profiles/hardware.toml,
-at the expert-pool budget each card leaves.
+"""Simulated GPU projections (docs/simulator.md, "GPU projections"): spac against llama.cpp's two
+ways of running an MoE larger than the card, its GPU expert cache (llama-moe-cache, master) and
+--n-cpu-moe, with and without speculative decoding, on the datasheet profiles of
+orchestrator/profiles/hardware.toml (8, 12, 16 and 24 GB consumer cards), at the expert-pool
+budget each card leaves (the same VRAM for every system).
 
-    .venv/bin/python bench/sim_gpu_projection.py [--steps 300] [--validation rows.json] [--model KEY ...]
+    .venv/bin/python bench/sim_gpu_projection.py [--steps 600] [--validation rows.json] [--model KEY ...]
 
 Setting: synthetic routing traces of each model family (`spac sim families`), a per-token
 acceptance of 0.75 and the best γ of 1, 2, 4, 8 for the speculative rows (spac's governor picks
@@ -16,11 +18,16 @@ rollback), each pass reading the state and writing a snapshot per token; Qwen3-0
 for its draft's cost, as it does for gpt-oss (neither shares that tokenizer).
 - llama.cpp --n-cpu-moe: the `static` policy (whole layers on the device, the first ones' experts
   on the host); a crossing only in the layers with host experts.
+- llama.cpp's GPU expert cache: the `llama-moe-cache` policy, as master's src/llama-moe-cache.cpp
+  runs a verify pass of at most 32 tokens: one LRU over every layer's slots, each layer reading
+  its router's choice back (a device synchronize, the profile's sync time), uploading its misses
+  on the critical path and computing every routed expert on the device. It starts empty, as at
+  load (a prompt leaves it as it is), and is measured in the same steady-state window.
 - spac: the default policy with host compute on miss (`spac/host`, what the engine runs); the
   engine's graph splits every MoE layer, so every layer pays the crossing, and the device
   multiplies the host experts' tokens by its zero slot (both measured facts of the engine,
   bench/bench_sim_truth.py).
-tok/s over the last two thirds of the steps (the pool has filled by then).
+tok/s over the last two thirds of the steps (the pool, and the cache, have filled by then).
 --validation: the JSON of bench_sim_truth.py, whose error on this machine is printed beside.
 """
 
@@ -37,8 +44,10 @@ from orchestrator.sim import profiles
 from orchestrator.sim.simulator import SimConfig, Simulator
 from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, synthesize_trace
 
-CARDS = ("rtx4090", "rtx4060")
-MODELS = {"qwen3-30b-a3b": "Q4_K", "gpt-oss-20b": "MXFP4", "qwen3.6-35b-a3b": "Q4_K"}
+CARDS = ("rtx4060", "rtx3060", "rtx4060ti16", "rtx4090")  # 8, 12, 16 and 24 GB
+MODELS = {"qwen3-30b-a3b": "Q4_K", "qwen3.6-35b-a3b": "Q4_K", "gpt-oss-120b": "MXFP4"}
+SYSTEMS = ("static", "llama-moe-cache", "spac/host")  # llama.cpp --n-cpu-moe, llama.cpp's cache, spac
+ENGINE = ("spac/host", "spac")  # policies the spac engine runs: its split graph's costs
 # --multi-card: one RTX 3090 against two (layer split), both in this machine or the second in
 # another one over the network (ggml RPC), on models too big for either
 MULTI_CARDS = ("rtx3090", "2x-rtx3090", "rtx3090-remote-25gbe", "rtx3090-remote-10gbe")
@@ -84,7 +93,7 @@ def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, 
                        draft_quant=DRAFT_QUANT, snapshots=gamma)  # a hybrid's n_rs_seq: --draft-max γ
     config = replace(config, capacity=capacity(config))
     costs = config.costs()
-    if policy != "static":  # spac's engine: a crossing in every split layer, the zero slot on the device
+    if policy in ENGINE:  # spac's engine: a crossing in every split layer, the zero slot on the device
         costs = replace(costs, sync_every_layer=True, zero_slot=True)
     r = Simulator(trace, config, costs=costs).run(make_policy(policy))
     warm = steps // 3  # steady state: the pool fills at the link's pace first (spac paces its copies)
@@ -95,7 +104,7 @@ def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--validation", type=Path, help="bench_sim_truth.py --json output")
     ap.add_argument("--multi-card", action="store_true",
@@ -117,20 +126,26 @@ def main() -> None:
             return max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows if r["speculative"] == spec)
 
         note = f"≤ {100 * worst(False):.0f}% / ≤ {100 * worst(True):.0f}%"
-    print("| card | model | pool (experts) | llama.cpp --n-cpu-moe | + speculative | spac | spac + speculative |"
-          " spac + spec. ÷ llama.cpp + spec. | validation error (autoregressive / speculative) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| card | model | pool (experts) | llama.cpp --n-cpu-moe | + speculative | llama-moe-cache | + speculative |"
+          " spac | spac + speculative | spac + spec. ÷ llama-moe-cache + spec. | ÷ --n-cpu-moe + spec. |"
+          " validation error (autoregressive / speculative) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for card in cards:
         for model, quant in models.items():
+            config = SimConfig(hardware=card, model=model, draft=DRAFT, quant=quant, draft_quant=DRAFT_QUANT, snapshots=8)
+            if not capacity(config):
+                print(f"| {card_name(card)} | {profiles.model(model).name} {quant} | no room: the non-expert weights "
+                      f"and the KV cache leave no expert slot | | | | | | | | | |")
+                continue
             cells = {(p, s): best_row(card, model, quant, s, p, args.steps, args.seed)
-                     for p in ("static", "spac/host") for s in (False, True)}
+                     for p in SYSTEMS for s in (False, True)}
             ar, spec = cells[("static", False)], cells[("static", True)]
             pool = f"{ar['share']:.0%} / {spec['share']:.0%} with the draft"
+            tok = lambda p, s: f"{cells[(p, s)]['tok_s']:.1f}" + (f" (γ {cells[(p, s)]['gamma']})" if s else "")  # noqa: E731
+            best = cells[("spac/host", True)]["tok_s"]
             print(f"| {card_name(card)} | {profiles.model(model).name} {quant} | {pool} | "
-                  f"{ar['tok_s']:.1f} | {spec['tok_s']:.1f} (γ {spec['gamma']}) | "
-                  f"{cells[('spac/host', False)]['tok_s']:.1f} | "
-                  f"{cells[('spac/host', True)]['tok_s']:.1f} (γ {cells[('spac/host', True)]['gamma']}) | "
-                  f"{cells[('spac/host', True)]['tok_s'] / spec['tok_s']:.2f} | {note} |")
+                  + " | ".join(tok(p, s) for p in SYSTEMS for s in (False, True))
+                  + f" | {best / cells[('llama-moe-cache', True)]['tok_s']:.2f} | {best / spec['tok_s']:.2f} | {note} |")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ def lfu_rank(x, last_use, uses):
     ("lru", True, lru_rank, 12),
     ("lru", True, lru_rank, 24),
     ("lru-global", False, lru_rank, 10),
+    # llama.cpp's cache: the same global LRU (hits touched first, misses in id order take the least
+    # recently used slots), every routed expert on the device
+    ("llama-moe-cache", False, lru_rank, 10),
+    ("llama-moe-cache", False, lru_rank, 30),
     ("lfu", False, lfu_rank, 10),
     ("lfu", False, lfu_rank, 20),
 ])
@@ -83,3 +87,35 @@ def test_cyclic_passes_defeat_a_global_recency_cache():
     glob, per_layer = sim.run(make_policy("lru-global")), sim.run(make_policy("lru"))
     assert glob.hit_rate < 0.05 and glob.collision_misses > 100
     assert per_layer.hit_rate > 0.3
+
+
+def test_llama_moe_cache_reads_back_every_layer_and_uploads_on_the_critical_path(trace):
+    """Master's cache pays a device synchronize per layer (the router's choice read back) whether
+    it hits or not, and computes a layer only once its misses are uploaded; the same LRU without
+    the readback (lru-global: fetch each miss as its turn comes) is faster by the readbacks in
+    every pass, exactly so in a pass without a miss (a miss also waits for the layer's uploads)."""
+    n_all = trace.n_layer * trace.n_expert
+    sim = Simulator(trace, SimConfig(capacity=n_all))
+    cache, plain = sim.run(make_policy("llama-moe-cache")), sim.run(make_policy("lru-global"))
+    assert cache.hit_rate == plain.hit_rate and cache.fetch_bytes == plain.fetch_bytes
+    sync = sim.costs.sync_s
+    extra = cache.step_time - plain.step_time
+    assert (extra >= trace.n_layer * sync * (1 - 1e-9)).all()
+    assert np.median(extra[trace.n_steps // 2:]) == pytest.approx(trace.n_layer * sync, rel=1e-9)  # mostly no miss
+
+
+def test_llama_moe_cache_leaves_larger_passes_to_the_host_and_itself_unchanged():
+    """A ubatch of more than 32 tokens runs its layers without the cache: every expert on the
+    host, nothing uploaded (as master's prompts, which only read the cache)."""
+    big = synthesize_trace(20, SHAPE, gamma=40, acceptance=0.6, draft_fidelity=None, seed=3)
+    r = Simulator(big, SimConfig(capacity=20)).run(make_policy("llama-moe-cache"))
+    assert r.cpu_share == 1.0 and r.hit_rate == 0.0 and r.fetch_bytes == 0
+
+
+@pytest.mark.parametrize("gamma, on_device", [(0, True), (3, False)])
+def test_the_decode_only_lru_caches_one_token_passes_only(gamma, on_device):
+    t = synthesize_trace(30, SHAPE, gamma=gamma, acceptance=0.6, draft_fidelity=None, seed=5)
+    r = Simulator(t, SimConfig(capacity=24)).run(make_policy("lru-decode-only"))
+    assert r.cpu_share == (0.0 if on_device else 1.0)
+    if on_device:  # the per-layer LRU's hit rate, every expert then on the device
+        assert r.hit_rate == pytest.approx(brute_force(t, 24, True, lru_rank), abs=1e-12)

@@ -252,7 +252,8 @@ def test_the_gpu_projection_has_the_hybrid_rows():
     spec = importlib.util.spec_from_file_location("sim_gpu_projection", path)
     proj = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(proj)
-    assert list(proj.MODELS) == ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.6-35b-a3b"]
+    assert list(proj.MODELS) == ["qwen3-30b-a3b", "qwen3.6-35b-a3b", "gpt-oss-120b"]
+    assert "llama-moe-cache" in proj.SYSTEMS and len(proj.CARDS) == 4  # 8, 12, 16 and 24 GB
     m = model("qwen3.6-35b-a3b")
     cap = {g: proj.capacity(SimConfig(hardware="rtx4060", model=m.key, draft=None, snapshots=g)) for g in (0, 8)}
     assert cap[0] - cap[8] == pytest.approx(8 * m.state_bytes / m.expert_bytes("Q4_K"), abs=1)

@@ -24,6 +24,10 @@ on miss, which is what a llama.cpp user gets (upstream computes misses on the CP
     static          layer order   host    -       layer     llama.cpp --n-cpu-moe (the paper's llama.cpp-w/SD)
     lru             lru/layer     fetch   pass    resident  Mixtral-offloading
     lru-global      lru           fetch   pass    resident  one LRU pool over all layers
+    llama-moe-cache lru           fetch*  -       resident  llama.cpp master's GPU expert cache (* after
+                                                            reading the router back; passes ≤ 32 tokens)
+    lru-decode-only lru/layer     fetch*  -       resident  the per-layer LRU of earlier llama.cpp PRs
+                                                            (* one-token passes only)
     lfu             lfu           fetch   pass    resident  MoE-Infinity
     least-stale     least-stale   fetch   pass    resident  SpecMD §4.2
     score           score         fetch   pass    resident  Zhu et al., as benchmarked by SpecMD
@@ -41,7 +45,7 @@ from __future__ import annotations
 from typing import Callable
 
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
-from orchestrator.policies.cache import LFU, LRU, LeastStale, ScoreBased
+from orchestrator.policies.cache import LFU, LRU, DecodeOnlyLRU, LeastStale, LlamaMoeCache, ScoreBased
 from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.hybrimoe import HybriMoE
 from orchestrator.policies.lookahead import MoESpeQLookahead
@@ -73,6 +77,8 @@ SYSTEMS: dict[str, Callable[..., Policy]] = {
     "static": StaticPlacement,
     "lru": LRU,
     "lru-global": _named("lru-global", LRU, per_layer=False),
+    "llama-moe-cache": LlamaMoeCache,
+    "lru-decode-only": DecodeOnlyLRU,
     "lfu": LFU,
     "least-stale": LeastStale,
     "score": ScoreBased,
@@ -101,6 +107,8 @@ COMBINATIONS: dict[str, tuple[str, str, str, str]] = {
     "static": ("layer order", "host", "-", "layer"),
     "lru": ("lru/layer", "fetch", "pass", "resident"),
     "lru-global": ("lru", "fetch", "pass", "resident"),
+    "llama-moe-cache": ("lru, after a readback, passes ≤ 32 tokens", "fetch", "-", "resident"),
+    "lru-decode-only": ("lru/layer, after a readback, 1-token passes", "fetch", "-", "resident"),
     "lfu": ("lfu", "fetch", "pass", "resident"),
     "least-stale": ("least-stale", "fetch", "pass", "resident"),
     "score": ("score", "fetch", "pass", "resident"),

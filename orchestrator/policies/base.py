@@ -103,6 +103,10 @@ class Policy:
     needs_future = False
     evicts = True
     wait_for_prefetch = False  # the simulator starts the pass only once the plan's copies are done
+    # a demand cache that reads the router's choice back before it uploads a layer's misses (a device
+    # synchronize), then computes all the layer's experts on the device in one op, for passes of at
+    # most this many tokens (more: the layer runs on the host, the cache untouched); None: no readback
+    readback_max_tokens: int | None = None
 
     def reset(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

@@ -5,6 +5,10 @@
 - `LFU`: least frequently used, token-weighted counts over the whole run (MoE-Infinity's
   "least visit count" eviction).
 - `ScoreBased`: lowest accumulated routing weight (Zhu et al., as benchmarked by SpecMD).
+- `LlamaMoeCache`: llama.cpp's own GPU expert cache (`src/llama-moe-cache.cpp` on master): one
+  LRU over all the layers of a device, filled on demand after the router's choice is read back,
+  every routed expert then on the device, passes of at most 32 tokens. `DecodeOnlyLRU`: the
+  per-layer, decode-only LRU of the open pull requests that preceded it.
 - `LeastStale`: SpecMD's policy (SpecMD §4.2): experts used in the current pass are
   "current", the others "stale"; stale experts go first, current ones only when nothing else
   is left; inside each group first-in-first-out by layer position.
@@ -84,6 +88,31 @@ class LRU(RankingPolicy):
     def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
         self.clock += 1
         self.rank[layer, counts > 0] = self.clock
+
+
+class LlamaMoeCache(LRU):
+    """llama.cpp's GPU expert cache as master ships it (read from `src/llama-moe-cache.cpp`; the
+    peer spac is measured against): the layers of a device share one LRU over all its slots. For a
+    ubatch of at most 32 tokens whose distinct experts fit the slots, each layer reads the
+    router's choice back to the host (a device synchronize), touches its hits, gives each miss
+    (ascending ids) the least recently used slot, uploads the misses and then runs every routed
+    expert on the device (one op, after the uploads: a miss costs an upload on the critical
+    path, never host compute). A larger ubatch runs the layer on the host and leaves the cache as
+    it is (prompts: `sim prefill`). Nothing is copied ahead of a pass."""
+
+    name = "llama-moe-cache"
+    per_layer = False
+    readback_max_tokens = 32
+
+
+class DecodeOnlyLRU(LRU):
+    """The per-layer LRU of the open pull requests before master's cache: capacity // n_layer
+    slots per layer, filled on demand as llama-moe-cache is, for one-token ubatches only; a
+    speculative verify pass (more tokens) runs every expert on the host."""
+
+    name = "lru-decode-only"
+    per_layer = True
+    readback_max_tokens = 1
 
 
 class LFU(RankingPolicy):

@@ -1,12 +1,15 @@
 """Time to first token of a long prompt whose routed experts live in host RAM (`spac sim prefill`).
 
 Simulated, not measured: roofline arithmetic on a datasheet hardware profile and a model profile,
-like the decode simulator's cost model (profiles.py). Five rows:
+like the decode simulator's cost model (profiles.py). Six rows:
 
     op-offload  llama.cpp with the experts in host RAM (`--n-cpu-moe`) and a GPU: for a ubatch of
                 32 tokens or more its scheduler copies each layer's whole expert tensors to the
                 GPU and computes the layer there. Copy and compute take turns (one stream), and the
                 copies ignore what a pool may already hold.
+    llama-moe-cache  llama.cpp master's GPU expert cache: op offload as above, but the experts its
+                cache holds (here the pool's share, as decoding left it) are copied device to
+                device instead of uploaded; the prompt does not change the cache.
     cpu         llama.cpp with repacked host experts (no op offload): the experts compute on the
                 CPU, everything else on the GPU, one crossing each way per layer.
     spac        streamed prefill through the pool: while layer l computes on the GPU, the
@@ -47,7 +50,7 @@ import numpy as np
 from orchestrator.sim.profiles import BITS_PER_WEIGHT, HardwareProfile, ModelProfile
 
 UBATCHES = (512, 1024, 2048, 4096, 8192)
-SYSTEMS = ("op-offload", "cpu", "spac", "spac-used", "limit")
+SYSTEMS = ("op-offload", "llama-moe-cache", "cpu", "spac", "spac-used", "limit")
 OP_OFFLOAD_MIN_BATCH = 32  # llama.cpp's CUDA backend offloads a host weight's op from this batch size
 
 
@@ -175,7 +178,12 @@ class PrefillModel:
                 if system == "op-offload" and u >= OP_OFFLOAD_MIN_BATCH:
                     t += self.model.n_expert * self.copy_s + self.nonexpert_s(u, pos) + self.experts_s(u, "gpu")[layer]
                     copied += self.model.n_expert * self.w_e
-                elif system in ("op-offload", "cpu"):
+                elif system == "llama-moe-cache" and u >= OP_OFFLOAD_MIN_BATCH:
+                    n_up = int(self.n_nonresident[layer])  # the cached ones: a copy within the GPU
+                    t += (n_up * self.copy_s + (self.model.n_expert - n_up) * self.w_e / self.hw.gpu_bw
+                          + self.nonexpert_s(u, pos) + self.experts_s(u, "gpu")[layer])
+                    copied += n_up * self.w_e
+                elif system in ("op-offload", "llama-moe-cache", "cpu"):
                     t += self.nonexpert_s(u, pos) + 2 * self.sync + self.experts_s(u, "cpu")[layer]
                 else:
                     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")

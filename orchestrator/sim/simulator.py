@@ -18,7 +18,10 @@ One verification step, as in MoE-SpAc Fig. 3 (times from `profiles.CostModel`):
                  layer time = max(device half, host half + sync)
                With miss mode "fetch" the layer instead copies each missing expert on demand
                and computes it on the device when it arrives; "greedy" splits the missing
-               experts between a copy and the host (HybriMoE), see `_greedy`.
+               experts between a copy and the host (HybriMoE), see `_greedy`. A readback
+               cache (`Policy.readback_max_tokens`: llama.cpp's llama-moe-cache) first reads
+               the router's choice back (one sync), uploads the misses, then computes every
+               routed expert in one op; a pass of more tokens runs the layer on the host.
     plan       the policy sees the pass (on_layer, layer by layer; plan at the end)
 
 A new plan replaces the copy queue, as in the engine: copies not started by then are dropped. A
@@ -336,9 +339,11 @@ class Simulator:
             t += c.dense_layer_time(n_tokens, position)
             n = counts[layer]
             need = n > 0
-            policy.on_layer(layer, n, weights[layer])  # the router has run: the layer's experts are in use
+            cached = self._cached(policy, pool, n_tokens)
+            if cached:  # the router has run: the layer's experts are in use
+                policy.on_layer(layer, n, weights[layer])
             seen_at = start if self.config.visibility == "pass" else t
-            hit = need & at_start[layer] & pool.allocated[layer] & (pool.ready_at[layer] <= seen_at)
+            hit = need & at_start[layer] & pool.allocated[layer] & (pool.ready_at[layer] <= seen_at) & cached
             miss = need & ~hit
             acc["needed"] += int(n.sum())
             acc["unique_needed"] += int(need.sum())
@@ -350,7 +355,14 @@ class Simulator:
             stats["gpu_experts"] += int(hit.sum())
             host_experts = np.flatnonzero(miss)
             end_device = t + device
-            if policy.miss != "cpu" and miss.any():
+            if policy.readback_max_tokens is not None and cached:
+                # llama-moe-cache: the router's choice read back (a device synchronize, every cached
+                # layer), the misses uploaded, then one op computes every routed expert on the device
+                ready = t + c.sync_s
+                arrived = _InPassFetcher(self, policy, pool, layer, miss, t, evicted).upload(ready)
+                end_device = max(ready, arrived) + device + float(c.gpu_expert_s(n[miss]).sum())
+                host_experts = np.zeros(0, dtype=np.int64)
+            elif policy.miss != "cpu" and cached and miss.any():
                 fetcher = _InPassFetcher(self, policy, pool, layer, miss, t, evicted)
                 if policy.miss == "fetch":
                     host_experts = np.zeros(0, dtype=np.int64)
@@ -374,6 +386,15 @@ class Simulator:
             t = max(end_device, end_host) if c.overlap else end_device + (end_host - t)
             layer_time[layer] = t - t_layer
         return t, layer_time, stats
+
+    def _cached(self, policy: Policy, pool: Pool, n_tokens: int) -> bool:
+        """Whether a readback cache (llama-moe-cache) serves a pass of n_tokens: at most its token
+        limit, and no more distinct experts than its slots (those of the layer, per layer)."""
+        limit = policy.readback_max_tokens
+        if limit is None:
+            return True
+        slots = policy.per_layer_capacity or pool.capacity
+        return n_tokens <= limit and min(n_tokens * self.trace.top_k, self.trace.n_expert) <= slots
 
 
 class _InPassFetcher:
@@ -428,6 +449,20 @@ class _InPassFetcher:
             arrival = pool.copy(self.layer, expert, self.t, in_pass=True)
         self.protected[self.layer, expert] = False
         return max(device_free, arrival) + float(self.costs.gpu_expert_s(n_tokens))
+
+    def upload(self, earliest: float) -> float:
+        """Upload every missing expert of the layer from `earliest`, in ascending ids, each into
+        the slot of the policy's victim; returns when the last one has arrived."""
+        arrived = earliest
+        for expert in np.flatnonzero(self.protected[self.layer]):
+            if self.pool.allocated[self.layer, expert]:  # on its way already
+                arrived = max(arrived, float(self.pool.ready_at[self.layer, expert]))
+                continue
+            if self._need_slot():
+                self._evict_one()
+            arrived = max(arrived, self.pool.copy(self.layer, expert, earliest, in_pass=True))
+        self.protected[self.layer] = False
+        return arrived
 
     def greedy(self, n: np.ndarray, device_free: float):
         """HybriMoE's two-ended greedy: missing experts sorted by token count; the device takes
