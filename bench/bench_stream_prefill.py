@@ -129,11 +129,13 @@ def prefill_rows(args, cfg, path: Path, model: Model, device: str, n_tokens: int
         print(f"  {name:38} {1e3 * t:8.1f} ms ({base_s / t:.2f}x {base_name.split(' (')[0]}); {n_resident} resident, "
               f"staged {s['n_staged'] / per:.0f} experts, {s['bytes_staged'] / per / 1e6:.1f} MB, against "
               f"{used_nonresident} distinct non-resident experts the ubatch chose "
-              f"({used_nonresident * expert_bytes / 1e6:.1f} MB); copies {copy / 1e3:.1f} ms, the graph waited "
+              f"({used_nonresident * expert_bytes / 1e6:.1f} MB); copies {copy / 1e3:.1f} ms "
+              f"({copy / 1e3 / args.n_layer:.2f} ms per layer, {s['n_copy_calls'] / per:.0f} copy calls), the graph waited "
               f"{wait / 1e3:.1f} ms ({hidden} of the copy time not waited for)")
         rows.append({"tokens": n_tokens, "row": name, "ms": 1e3 * t, "resident": n_resident,
                      "n_staged": s["n_staged"] / per, "bytes_staged": s["bytes_staged"] / per,
-                     "used_nonresident": used_nonresident, "stage_copy_ms": copy / 1e3, "stage_wait_ms": wait / 1e3})
+                     "used_nonresident": used_nonresident, "stage_copy_ms": copy / 1e3, "stage_wait_ms": wait / 1e3,
+                     "copy_calls": s["n_copy_calls"] / per})
     return rows
 
 

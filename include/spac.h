@@ -88,6 +88,8 @@ struct spac_engine_stats {
     uint64_t bytes_staged;
     double   stage_copy_us;          // time the copy worker spent on them
     double   stage_wait_us;          // time the graph waited for them (copies not hidden by compute)
+    uint64_t n_copy_calls;           // host -> device copy calls (one per tensor of a run of consecutive
+                                     // experts, as a streamed layer's are; a plan's copies one each)
 };
 
 struct spac_engine_params spac_engine_default_params(void);

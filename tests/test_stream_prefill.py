@@ -106,6 +106,10 @@ def test_streamed_prefill_leaves_decoding_and_the_plan_alone(models):
             assert ((engine.residency() >= 0) == resident).all()
             stats = engine.stats()
             assert stats["n_staged"] > 0 and stats["n_expert_tokens_cpu"] > 0  # the single tokens split
+            # a layer's non-resident experts are staged in runs of consecutive experts, one copy per
+            # tensor and run (patch 0021): fewer calls than experts, three tensors each
+            staged_calls = stats["n_copy_calls"] - 3 * stats["n_copies"]  # a plan's copy: one call per tensor
+            assert 0 < staged_calls < stats["n_staged"], stats
     finally:
         ctx.close()
         model.close()

@@ -73,6 +73,7 @@ class SpacEngineStats(ctypes.Structure):
         ("bytes_staged", c_uint64),
         ("stage_copy_us", c_double),
         ("stage_wait_us", c_double),
+        ("n_copy_calls", c_uint64),
     ]
 
 
@@ -413,7 +414,7 @@ class ExpertEngine:
 
 # the stats `SeveralPools.stats()` keeps per device (the totals are summed over the devices)
 _PER_DEVICE = ("bytes_copied", "n_copies", "n_slots", "n_resident", "n_expert_tokens_device", "copy_busy_us",
-               "bytes_staged")
+               "bytes_staged", "stage_copy_us", "n_copy_calls")
 
 
 class SeveralPools:
