@@ -256,6 +256,17 @@ def mul_mat(buft_name: str, ggml_type: int, w: np.ndarray, x: np.ndarray) -> np.
         g["free"](ctx_w)
 
 
+def test_the_micro_benchmark_multiplies_real_numbers():
+    """The matmul that --repack auto times (and bench/batch_invariance.py reads) quantizes float32
+    rows: its outputs are the size of N(0, 1) dot products. Under numpy 2 the rows were float64,
+    which ggml read as garbage floats (outputs of 1e20 or NaN)."""
+    bufts = host_layout.cpu_buffer_types()
+    xs = np.random.default_rng(1).standard_normal((9, 1, 256), dtype=np.float32)
+    for ggml_type in (0, 8, 12):  # F32, Q8_0, Q4_K
+        out = host_layout.matmul_output(ggml_type, 256, 64, 0, xs, None, bufts["CPU"], 1)
+        assert np.isfinite(out).all() and 0.1 < np.abs(out).max() < 20, (ggml_type, np.abs(out).max())
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_amx_mul_mat_equals_the_plain_kernel(type_name):
     """Patches 0011 and 0012: llama.cpp's AMX matmul at one token, a verify batch, full tiles and

@@ -19,7 +19,7 @@ The micro-benchmark speaks ggml's public C API through ctypes (the libraries lla
 a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
 backend. A layout that does not take a tensor (type or row count) is reported as such.
 
-Why ~500 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
+Why ~540 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
 needs (buffer types, one MUL_MAT_ID graph), the timing, its per-CPU cache and the choice per
 type and phase sit together; llama.cpp is told the choice in llm.py.
 """
@@ -34,6 +34,8 @@ import os
 import re
 import time
 from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_void_p
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -144,12 +146,14 @@ def cpu_buffer_types() -> dict[str, int]:
     return out
 
 
-def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
-                buft: int, n_threads: int, repeats: int = 3, seed: int = 0) -> float | None:
-    """Seconds of one MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type
-    `buft`, F32 activations, n_used distinct random experts per token), or with n_expert = 0 of one
-    MUL_MAT (weight [n_in, n_out]); the best of at least `repeats` runs after a warm-up; None where
-    that buffer type does not take the weight."""
+@contextmanager
+def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int, buft: int,
+                  n_threads: int, seed: int = 0) -> Iterator[tuple | None]:
+    """One MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type `buft`, F32
+    activations [n_in, n_used, n_tokens], n_used distinct random experts per token), or with
+    n_expert = 0 one MUL_MAT (weight [n_in, n_out]), on a CPU backend of n_threads, its weights
+    a few random quantized rows (seeded) repeated: yields (x, ids, out, graph, backend), or None
+    where that buffer type does not take the weight."""
     g = _lib()
     dev = g["dev_by_type"](0)
     overhead = g["tensor_overhead"]()
@@ -170,15 +174,18 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
         for c, b in ((ctx_w, buft), (ctx, g["dev_buffer_type"](dev))):
             buffers.append(g["alloc_ctx_tensors"](c, b))
             if not buffers[-1]:
-                return None
+                yield None
+                return
         if not g["dev_supports_op"](dev, out):  # e.g. CPU_REPACK and a type or row count it has no kernel for
-            return None
+            yield None
+            return
         rng = np.random.default_rng(seed)
         # a few quantized rows repeated: the kernels' speed does not depend on the values, and
         # quantizing a whole tensor (IQ4_NL searches per block) would take longer than timing it
         rows = n_out * max(n_expert, 1)
         sample = min(rows, 64)
-        src = rng.standard_normal((sample, n_in), dtype=np.float32) / np.sqrt(n_in)
+        # float32 for ggml (numpy 2 would make the quotient float64, read by ggml as garbage floats)
+        src = (rng.standard_normal((sample, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in))).astype(np.float32)
         block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
         g["quantize_chunk"](ggml_type, src.ctypes.data, block.ctypes.data, 0, sample, n_in, None)
         data = np.resize(block, g["nbytes"](w))
@@ -192,6 +199,26 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
         g["build_forward_expand"](graph, out)
         backend = g["cpu_init"]()
         g["cpu_set_n_threads"](backend, n_threads)
+        yield x, ids, out, graph, backend
+    finally:
+        if backend:
+            g["backend_free"](backend)
+        for b in buffers:
+            if b:
+                g["buffer_free"](b)
+        g["free"](ctx)
+        g["free"](ctx_w)
+
+
+def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
+                buft: int, n_threads: int, repeats: int = 3, seed: int = 0) -> float | None:
+    """Seconds of one MUL_MAT_ID or MUL_MAT (`_matmul_graph`), the best of at least `repeats` runs
+    after a warm-up; None where that buffer type does not take the weight."""
+    g = _lib()
+    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed) as built:
+        if built is None:
+            return None
+        _, _, _, graph, backend = built
         t = time.perf_counter()
         g["graph_compute"](backend, graph)  # warm-up
         first = time.perf_counter() - t
@@ -202,14 +229,29 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
             g["graph_compute"](backend, graph)
             best = min(best, time.perf_counter() - t)
         return best
-    finally:
-        if backend:
-            g["backend_free"](backend)
-        for b in buffers:
-            if b:
-                g["buffer_free"](b)
-        g["free"](ctx)
-        g["free"](ctx_w)
+
+
+def matmul_output(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.ndarray, ids: np.ndarray | None,
+                  buft: int, n_threads: int, seed: int = 0) -> np.ndarray | None:
+    """The output of `_matmul_graph`'s matmul (the weights of `seed`) for these activations
+    (F32 [n_tokens, n_used, n_in]; MUL_MAT: n_used 1) and experts (int32 [n_tokens, n_used];
+    None for MUL_MAT): F32 [n_tokens, n_used, n_out]. None where the buffer type does not take
+    the weight. What bench/batch_invariance.py compares between batch sizes."""
+    g = _lib()
+    n_tokens, n_used, _ = xs.shape
+    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed) as built:
+        if built is None:
+            return None
+        x, ids_t, out, graph, backend = built
+        xs = np.ascontiguousarray(xs, dtype=np.float32)
+        g["tensor_set"](x, xs.ctypes.data, 0, xs.nbytes)
+        if ids_t:
+            chosen = np.ascontiguousarray(ids, dtype=np.int32)
+            g["tensor_set"](ids_t, chosen.ctypes.data, 0, chosen.nbytes)
+        g["graph_compute"](backend, graph)
+        result = np.empty((n_tokens, n_used, n_out), dtype=np.float32)
+        g["tensor_get"](out, result.ctypes.data, 0, result.nbytes)
+        return result
 
 
 def supports(ggml_type: int, n_in: int, n_out: int, n_expert: int, buft: int) -> bool:
