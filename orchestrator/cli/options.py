@@ -33,7 +33,6 @@ import inspect
 import itertools
 import math
 import os
-import re
 import secrets
 import sys
 from collections.abc import Iterable

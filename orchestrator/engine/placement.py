@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 from orchestrator.engine.native import ggml_device_api
 from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice
