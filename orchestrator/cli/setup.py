@@ -118,14 +118,17 @@ def session_setup(opts: RunOptions) -> Setup:
     budgets = [d.budget for d in opts.pool]
     seen: dict[str, GPU] = {}
     if names != ["CPU"]:
-        seen = {name: GPU(name, free, total) for name, _, free, total in devices()}
+        listed = devices()
+        seen = {name: GPU(name, free, total) for name, _, free, total in listed}
         for name in names:
             if name not in seen:
                 fail(f"--device {name}: no such device; ggml sees {', '.join(seen)} (CPU = the test stand-in)")
         if not names and engine is not False and sizes.expert_bytes:
             # as llama.cpp: every GPU it sees takes layers (an RPC server's device counts as one)
-            names = [name for name, kind, _, _ in devices() if kind == 1]
+            names = [name for name, kind, _, _ in listed if kind == 1]
             budgets = budgets * max(len(names), 1)  # --expert-budget without --device: one value for every GPU
+
+    stream = opts.stream_prefill is not StreamPrefill.OFF
 
     def plan(states: int):
         try:
@@ -134,10 +137,9 @@ def session_setup(opts: RunOptions) -> Setup:
                     fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
                          "give one device")
                 return place_several(sizes, n_ctx, [seen[n] for n in names], budgets, opts.n_gpu_layers,
-                                     stream=opts.stream_prefill is not StreamPrefill.OFF, states=states)
+                                     stream=stream, states=states)
             return place(sizes, n_ctx, first_gpu(), opts.pool[0].name, budgets[0], opts.n_gpu_layers,
-                         engine if sizes.expert_bytes else False, stream=opts.stream_prefill is not StreamPrefill.OFF,
-                         states=states)
+                         engine if sizes.expert_bytes else False, stream=stream, states=states)
         except PlacementError as e:
             fail(str(e))
 

@@ -334,12 +334,12 @@ class Simulator:
         if dense_on_device:
             stats["device_busy"] += (c.fixed_pass_time(n_tokens, position)
                                      + n_layer * c.dense_layer_time(n_tokens, position))
+        cached = self._cached(policy, pool, n_tokens)  # a readback cache serves this pass (or no such cache)
         for layer in range(n_layer):
             t_layer = t
             t += c.dense_layer_time(n_tokens, position)
             n = counts[layer]
             need = n > 0
-            cached = self._cached(policy, pool, n_tokens)
             if cached:  # the router has run: the layer's experts are in use
                 policy.on_layer(layer, n, weights[layer])
             seen_at = start if self.config.visibility == "pass" else t
@@ -438,29 +438,29 @@ class _InPassFetcher:
             return float(pool.ready_at[self.layer, expert])
         return max(self.t, pool.link_free_at) + self.costs.transfer_s
 
-    def fetch(self, expert: int, device_free: float, n_tokens: int) -> float:
-        """Copy (if needed) and compute `expert`; returns when the device is free again."""
+    def _copy_in(self, expert: int, earliest: float) -> float:
+        """When `expert` is on the device: its arrival if it is on its way already, else that of a
+        copy from `earliest` into the slot of the policy's victim."""
         pool = self.pool
         if pool.allocated[self.layer, expert]:
-            arrival = float(pool.ready_at[self.layer, expert])
-        else:
-            if self._need_slot():
-                self._evict_one()
-            arrival = pool.copy(self.layer, expert, self.t, in_pass=True)
+            return float(pool.ready_at[self.layer, expert])
+        if self._need_slot():
+            self._evict_one()
+        return pool.copy(self.layer, expert, earliest, in_pass=True)
+
+    def fetch(self, expert: int, device_free: float, n_tokens: int) -> float:
+        """Copy (if needed) and compute `expert`; returns when the device is free again."""
+        arrival = self._copy_in(expert, self.t)
         self.protected[self.layer, expert] = False
         return max(device_free, arrival) + float(self.costs.gpu_expert_s(n_tokens))
 
     def upload(self, earliest: float) -> float:
-        """Upload every missing expert of the layer from `earliest`, in ascending ids, each into
-        the slot of the policy's victim; returns when the last one has arrived."""
+        """Upload every missing expert of the layer from `earliest`, in ascending ids (all of them
+        protected until the last has landed: the layer computes them together); returns when the
+        last one has arrived."""
         arrived = earliest
         for expert in np.flatnonzero(self.protected[self.layer]):
-            if self.pool.allocated[self.layer, expert]:  # on its way already
-                arrived = max(arrived, float(self.pool.ready_at[self.layer, expert]))
-                continue
-            if self._need_slot():
-                self._evict_one()
-            arrived = max(arrived, self.pool.copy(self.layer, expert, earliest, in_pass=True))
+            arrived = max(arrived, self._copy_in(expert, earliest))
         self.protected[self.layer] = False
         return arrived
 
