@@ -9,6 +9,10 @@ output), for n = 2..9 (a verify pass of γ + 1 ≤ 9), 16, 64 and 512 (prompt ub
 2 threads give what 1 thread gives. The baseline for a batch-invariant kernel of spac's own.
 
     .venv/bin/python bench/batch_invariance.py [--n-in 2048] [--n-out 256] [--types q4_0,q8_0,...]
+                                                [--batch-invariant-rows N]
+
+--batch-invariant-rows N turns on ggml-cpu's batch-invariant mode for batches of up to N rows (spac's
+exact mode sets it to the largest verify batch); 0, the default, measures llama.cpp's kernels.
 
 Weights: a few random quantized rows repeated (host_layout's micro-benchmark); activations and
 expert choices random, seeded. Nothing is timed.
@@ -24,7 +28,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from orchestrator.engine.host_layout import cpu_buffer_types, cpu_model_and_flags, matmul_output  # noqa: E402
+from orchestrator.engine.host_layout import (  # noqa: E402
+    cpu_buffer_types,
+    cpu_model_and_flags,
+    matmul_output,
+    set_batch_invariant_rows,
+)
 from orchestrator.engine.llm import init_backend  # noqa: E402
 
 TYPES = ("f16", "bf16", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl")
@@ -70,12 +79,16 @@ def main() -> None:
     ap.add_argument("--n-used", type=int, default=2, help="experts each token uses")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-invariant-rows", type=int, default=0,
+                    help="ggml-cpu's batch-invariant mode up to this many rows (0: off, llama.cpp's kernels)")
     args = ap.parse_args()
 
     init_backend()  # llama.cpp's and ggml's errors only (not the repack lines)
     model, flags = cpu_model_and_flags()
     simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
     print(f"CPU: {model}; flags {' '.join(simd)}")
+    set_batch_invariant_rows(args.batch_invariant_rows)
+    print(f"batch-invariant rows: {args.batch_invariant_rows or 'off'}")
     print(f"weights [{args.n_in} x {args.n_out}] (MUL_MAT_ID: x {args.n_expert} experts, {args.n_used} per token); "
           f"1 thread unless said; '=': bit-identical to the same tokens one at a time, else the largest "
           f"difference relative to the largest output\n")

@@ -124,10 +124,22 @@ def _bind() -> dict:
         "get_name": fn(base, "ggml_get_name", c_char_p, p),
         "cpu_init": fn(cpu, "ggml_backend_cpu_init", p),
         "cpu_set_n_threads": fn(cpu, "ggml_backend_cpu_set_n_threads", None, p, c_int),
+        "set_batch_invariant_rows": fn(cpu, "ggml_cpu_set_batch_invariant_rows", None, c_int),
+        "get_batch_invariant_rows": fn(cpu, "ggml_cpu_get_batch_invariant_rows", c_int),
     }
 
 
 _lib = functools.cache(_bind)  # bound once, on first use
+
+
+def set_batch_invariant_rows(n_rows: int) -> None:
+    """Host matmuls and attention of at most n_rows tokens compute every row as one token does, bit
+    for bit (ggml-cpu's switch, process-wide; 0: llama.cpp's batched kernels at every size)."""
+    _lib()["set_batch_invariant_rows"](n_rows)
+
+
+def batch_invariant_rows() -> int:
+    return _lib()["get_batch_invariant_rows"]()
 
 
 def cpu_buffer_types() -> dict[str, int]:
