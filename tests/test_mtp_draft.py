@@ -5,8 +5,7 @@ and Qwen3-Next hybrids with one MTP layer, converted by llama.cpp's own converte
 `mtp.*` weights):
 
     lossless   greedy tokens with `--draft mtp` equal target-only's, F32 and Q8_0, with the expert
-               pool on (a second CPU buffer, 25%) and off, over prompts that reuse the cache (or
-               part from them only where batch_gap proves the verify batch's rounding did it)
+               pool on (a second CPU buffer, 25%) and off, over prompts that reuse the cache
     pairing    each step's catch-up pairs every token with the target's hidden state of the
                position before it: the head's logits equal those of a fresh MTP context fed the
                whole sequence and the hidden states of one target pass over it
@@ -25,7 +24,6 @@ import pytest
 from typer.testing import CliRunner
 
 import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
-from batch_gap import assert_lossless
 
 import llama_cpp as L
 from orchestrator.cli.main import app
@@ -91,8 +89,7 @@ def test_mtp_draft_is_lossless(real_files, tmp_path, arch, ftype, pool):
     for adaptive in (False, True):  # every step drafts γ = 4; then γ as the governor picks it
         got, _, s = run(SessionConfig(**base, **engine, draft=MTP_DRAFT, gamma=4, adaptive_gamma=adaptive))
         assert s["mode"] == "speculative" and s["mtp"] and s["pool"] == (pool == "on")
-        for p, g, w in zip(prompts, got, want):  # equal, or apart only where batching is proven to part them
-            assert_lossless(files[ftype], p, g, w)
+        assert got == want
         assert s["n_prompt_cached"] > 0 and (s["n_drafted"] > 0 or adaptive)
 
 
@@ -210,10 +207,7 @@ def test_cli_draft_mtp(files):
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["draft"] == "mtp" and got["mode"] == "speculative"
-    model = Model(files["q8_0"], repack="off")
-    prompt = model.tokenize(mrf.PROMPTS[1])
-    model.close()
-    assert_lossless(files["q8_0"], prompt, got["tokens"], want["tokens"])
+    assert got["tokens"] == want["tokens"]
 
 
 def test_draft_mtp_without_mtp_layers(tmp_path):

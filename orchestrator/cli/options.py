@@ -170,6 +170,11 @@ OPTIONS: dict[str, _Opt] = {
         "ahead (copy every non-resident expert of the next layer while one computes), used (copy the experts a "
         "layer's router chose, once it has run), off (llama.cpp's prefill), auto (ahead on a GPU or RPC pool, off "
         "on --device CPU)")),
+    "exact": _Opt("model", bool, True, typer.Option(
+        "--exact/--no-exact", help="host matmuls and attention of up to 32 tokens (--draft-max + 1 if more) compute every row as "
+        "one token does, so speculative greedy output is exactly target-only's on the host (a verify pass's dense "
+        "weights then take one-row kernels); --no-exact: llama.cpp's batched kernels, faster verify passes whose "
+        "rounding may turn a near-tie into another token")),
     "check_tensors": _Opt("model", bool, False, typer.Option(
         "--check-tensors", help="check the model's tensor data for NaN/Inf on load (as llama.cpp's)")),
     "mmap": _Opt("model", bool, True, typer.Option(
@@ -208,6 +213,7 @@ class RunOptions:
     ubatch_size: int = 512
     engine: bool | None = None
     stream_prefill: StreamPrefill = StreamPrefill.AUTO
+    exact: bool = True
     check_tensors: bool = False
     mmap: bool = True
     recalibrate: bool = False
@@ -280,7 +286,7 @@ class RunOptions:
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
         return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
-                   stream_prefill=stream,
+                   stream_prefill=stream, exact=v["exact"],
                    check_tensors=v["check_tensors"], mmap=v["mmap"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
                    stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))

@@ -45,6 +45,7 @@ from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft, require_mtp
 from orchestrator.decoding.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
 from orchestrator.decoding.text import ChatTemplate, TextStream, check_vocab
 from orchestrator.engine import calibrate
+from orchestrator.engine.host_layout import set_batch_invariant_rows
 from orchestrator.engine.llm import DEFAULT_REPACK, Context, Model, ModelError
 from orchestrator.engine.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
                                         model_layer_devices, model_moe_layers)
@@ -75,6 +76,10 @@ POOL_DRAFT = "pool"
 # or MTP_DRAFT: the target's multi-token-prediction head (`orchestrator.decoding.mtp_draft`)
 
 
+# the batches computed as one token is, as many as llama.cpp's expert cache counts as a verify pass
+EXACT_ROWS = 32
+
+
 @dataclass
 class SessionConfig:
     model: str | Path
@@ -102,6 +107,9 @@ class SessionConfig:
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
     verbose: bool = False
     check_tensors: bool = False  # llama.cpp's --check-tensors: validate the weights' data on load
+    # batches of up to EXACT_ROWS tokens (gamma + 1 if larger) computed row by row as one token
+    # is (ggml-cpu's batch-invariant mode, patch 0022): verify passes give exactly the one-token logits
+    exact: bool = True
 
     def __post_init__(self) -> None:
         self.stream_prefill = StreamPrefill(self.stream_prefill).resolve(self.pool[0])
@@ -157,6 +165,9 @@ class Session:
 
     def _open(self, cfg: SessionConfig) -> None:
         ab = cfg.ablations
+        # process-wide, and the same with a draft or without and for any γ up to 31: a short prompt
+        # is such a batch too, and target-only output is the reference
+        set_batch_invariant_rows(max(EXACT_ROWS, cfg.gamma + 1) if cfg.exact else 0)
         on_gpu = not cfg.pool[0].on_host  # CPU: the test device, a second host buffer
         mtp = cfg.draft == MTP_DRAFT and not ab.no_sd
         self.target = self._model(cfg.model, cfg.n_gpu_layers,

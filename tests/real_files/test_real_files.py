@@ -17,13 +17,10 @@ prompts, 16 greedy tokens, compared by token id:
     pool-draft  speculative, the target drafting through its pool (25%)
     q4_0-draft  speculative with the Q4_0 self-draft (pool 25%, its routing as the lookahead)
 
-Every path must give the target's tokens; a difference is tolerated only where target-only's own
-top-1/top-2 margin at that position is below EPS_TIE ("tie": the known ~1e-4 gap between a
-batched verify and a single-token decode of some quantized kernels), or where target-only's own
-token there changes when the tokens before it are computed in batches as a verify pass computes
-them ("batch": the same gap, turned into another token by a routing near-tie in one of the
-layers; a 26-layer random MoE has many). Each is listed in the table that the module writes to
-runs/real-files/<key>/table.md.
+Every path must give the target's tokens exactly: the sessions' batch-invariant mode
+(SessionConfig.exact) computes a verify pass's rows as one-token decodes. The stock comparison runs
+spac with it off (--no-exact: llama.cpp's kernels, as llama-simple runs them). Every cell is listed
+in the table that the module writes to runs/real-files/<key>/table.md.
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from batch_gap import batch_dependent, first_mismatch, margins_of
 from conftest import LLAMA_CPP_TREE, ROOT, compile_native
 
 import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
@@ -47,16 +43,45 @@ from build_native import stock_program  # noqa: E402
 
 from orchestrator.decoding.sampling import SamplingParams  # noqa: E402
 from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig  # noqa: E402
-from orchestrator.engine.llm import Model  # noqa: E402
+from orchestrator.engine.llm import Context, Model  # noqa: E402
 from orchestrator.engine.native import NativeError  # noqa: E402
 from orchestrator.engine.pool import Budget, PoolDevice  # noqa: E402
 
 EPS_REFERENCE = 1e-3  # F32 file against float32 transformers: summation order only (~1e-5)
-EPS_TIE = 1e-3        # a spac path against target-only: the batched-verify kernels' ~1e-4
 PATHS = ["reference", "stock", "target", "pool10", "pool25", "pool50", "pool-draft", "q4_0-draft"]
 ENGINE_PATHS = {"pool10": (0.10, None), "pool25": (0.25, None), "pool50": (0.50, None),
                 "pool-draft": (0.25, POOL_DRAFT), "q4_0-draft": (0.25, "q4_0")}
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def first_mismatch(got: list[list[int]], want: list[list[int]]) -> tuple[int, int] | None:
+    """(prompt, position) of the first token where got leaves want."""
+    for p, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g, w)):
+            if a != b:
+                return p, i
+        if len(g) != len(w):
+            return p, min(len(g), len(w))
+    return None
+
+
+def margins_of(model_path: Path, prompt_tokens: list[int], tokens: list[int]) -> np.ndarray:
+    """Target-only's top-1/top-2 margin at every generated position (one prefill, then single
+    tokens, as the target-only loop decodes): how near a tie a reported difference was."""
+    model = Model(model_path, repack="off")
+    ctx = Context(model, n_ctx=128, n_batch=64, n_threads=2)
+    try:
+        out = []
+        ctx.decode(prompt_tokens, logits_all=False)
+        for t in [None, *tokens[:-1]]:
+            if t is not None:
+                ctx.decode([t])
+            row = np.sort(ctx.logits()[-1].astype(np.float64))
+            out.append(row[-1] - row[-2])
+        return np.array(out)
+    finally:
+        ctx.close()
+        model.close()
 
 
 @contextlib.contextmanager
@@ -110,7 +135,7 @@ class Cell:
     first: tuple[int, int] | None = None   # (prompt, position); position -1: text only
     margin: float | None = None
     note: str = ""
-    word: str = "tie"                      # what a tolerated difference is: tie | quantized | batch
+    word: str = "tie"                      # what a tolerated difference is: tie | quantized
 
     def text(self) -> str:
         note = f" ({self.note})" if self.note else ""
@@ -192,8 +217,8 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
         return b"".join(piece[t] for t in [*prompt_tokens, *tokens] if t not in eog)
 
     target = run_session(SessionConfig(**base, engine=False, repack="off"), prompts)
-    with stock_repacking():
-        target_on = run_session(SessionConfig(**base, engine=False, repack="on"), prompts)
+    with stock_repacking():  # llama.cpp's kernels at every batch size, as llama-simple
+        target_on = run_session(SessionConfig(**base, engine=False, repack="on", exact=False), prompts)
 
     # reference: spac's output is the reference's, up to an end-of-generation token
     want = []
@@ -237,11 +262,8 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
         mm = first_mismatch(got, target)
         if mm is not None:
             p, i = mm
-            c.first = mm
+            c.ok, c.first = False, mm
             c.margin = float(margins_of(path, ref[p]["prompt_tokens"], target[p])[i])
-            c.ok = c.margin < EPS_TIE
-            if not c.ok and batch_dependent(path, ref[p]["prompt_tokens"], target[p], i):
-                c.ok, c.word = True, "batch"  # target-only's own token there depends on the batch
 
     bad = {p: c.text() for p, c in cells.items() if not c.ok}
     assert not bad, f"{arch} {ftype}: {bad}"

@@ -1,0 +1,139 @@
+"""Batch invariance (ggml-cpu's batch-invariant mode, patch 0022; `SessionConfig.exact`, on by
+default): a verify pass of up to γ+1 tokens computes every row bit for bit as a one-token decode
+does, so greedy speculative output is exactly target-only output. Checked per op (every weight
+type, CPU buffer type, MUL_MAT and MUL_MAT_ID, batches 1..γ+1) and per model (the whole verify
+path: matmuls, flash attention, norms, the recurrent layers of a hybrid), on each host layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from orchestrator.decoding.speculative import EXACT_ROWS
+from orchestrator.engine import host_layout
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import engine_built
+from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+
+pytestmark = pytest.mark.skipif(not engine_built(), reason="needs the patched llama.cpp")
+
+GAMMA_MAX = 8
+ROWS = GAMMA_MAX + 1  # the largest verify pass
+OP_TYPES = ("f16", "bf16", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl")
+FILE_TYPES = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "iq4_nl")
+# rows of 256 (the K-quants' block) so that a K-quant file really holds K-quants; 8 | rows for repacking
+CFG = tiny_config("qwen3moe", n_layer=2, n_embd=256, n_expert=8, n_expert_used=2, n_ff_exp=256)
+
+
+@pytest.fixture(autouse=True)
+def batch_invariant():
+    host_layout.set_batch_invariant_rows(EXACT_ROWS)  # what a session sets
+    yield
+    host_layout.set_batch_invariant_rows(0)
+
+
+@pytest.fixture(autouse=True)
+def layout_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPAC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("type_name", OP_TYPES)
+def test_every_matmul_row_equals_one_row(type_name):
+    """Each CPU buffer type that takes the weight (plain, CPU_REPACK, AMX), MUL_MAT (a dense
+    weight) and MUL_MAT_ID (experts; 8 experts, 2 per token, so an expert gets up to 9 rows): the
+    rows of an n-token matmul, n = 1..γ+1, are the rows of n one-token matmuls, 1 and 2 threads."""
+    ggml_type = int(GGMLQuantizationType[type_name.upper()])
+    rng = np.random.default_rng(0)
+    n_in, n_out = 512, 64
+    checked = 0
+    for buft_name, buft in host_layout.cpu_buffer_types().items():
+        for n_expert, n_used in ((0, 1), (8, 2)):
+            xs = rng.standard_normal((ROWS, n_used, n_in), dtype=np.float32)
+            ids = np.argsort(rng.random((ROWS, n_expert)), axis=1)[:, :n_used].astype(np.int32) if n_expert else None
+
+            def run(start, n, threads=1):
+                return host_layout.matmul_output(ggml_type, n_in, n_out, n_expert, xs[start:start + n],
+                                                 None if ids is None else ids[start:start + n], buft, threads)
+
+            first = run(0, 1)
+            if first is None:
+                continue  # this buffer type does not take the weight
+            single = np.concatenate([first] + [run(i, 1) for i in range(1, ROWS)])
+            for n in range(2, ROWS + 1):
+                for threads in (1, 2):
+                    got = run(0, n, threads)
+                    assert got.tobytes() == single[:n].tobytes(), \
+                        f"{type_name} {buft_name} {'MUL_MAT_ID' if n_expert else 'MUL_MAT'}: n={n}, {threads} threads"
+            checked += 1
+    assert checked >= 2  # at least the plain layout's MUL_MAT and MUL_MAT_ID
+
+
+def verify_rows_match_decodes(model: Model, prompt: list[int], tokens: list[int], n_ctx: int = 128,
+                              rollback: int = 0) -> None:
+    """Logits of `tokens[:n]` decoded as one batch after `prompt`, n = 1..len(tokens), equal those
+    of the same tokens decoded one at a time, bit for bit."""
+    ctx = Context(model, n_ctx=n_ctx, n_batch=64, n_threads=2, rollback=rollback)
+    try:
+        ctx.decode(prompt, logits_all=False)
+        singles = []
+        for t in tokens:
+            ctx.decode([t])
+            singles.append(ctx.logits()[-1].copy())
+        want = np.stack(singles)
+        for n in range(1, len(tokens) + 1):
+            ctx.clear()
+            ctx.decode(prompt, logits_all=False)
+            ctx.decode(tokens[:n])
+            got = ctx.logits()
+            assert got.tobytes() == want[:n].tobytes(), \
+                f"{model.path.name}: a {n}-token pass differs from one-token decodes (rows {np.flatnonzero((got != want[:n]).any(axis=1)).tolist()})"
+    finally:
+        ctx.close()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("invariance")
+    return {q: make_random_model(d / f"m-{q}.gguf", CFG, seed=3, quant=q) for q in FILE_TYPES}
+
+
+@pytest.mark.parametrize("repack", ["off", "on"])
+@pytest.mark.parametrize("quant", FILE_TYPES)
+def test_a_verify_pass_gives_the_one_token_logits(files, quant, repack):
+    """The whole target, plain and repacked layout: attention (flash, F16 cache), norms, router,
+    experts, output head."""
+    model = Model(files[quant], repack=repack)
+    try:
+        rng = np.random.default_rng(1)
+        verify_rows_match_decodes(model, rng.integers(0, 256, 12).tolist(), rng.integers(0, 256, ROWS).tolist())
+    finally:
+        model.close()
+
+
+def test_a_verify_pass_past_512_cached_tokens(files):
+    """From 512 cached tokens on, one-token flash attention would split the cache over threads
+    (llama.cpp's split-KV path), which sums in another order: the mode keeps it on one path."""
+    model = Model(files["q4_k_m"], repack="on")
+    try:
+        rng = np.random.default_rng(2)
+        verify_rows_match_decodes(model, rng.integers(0, 256, 520).tolist(), rng.integers(0, 256, ROWS).tolist(),
+                                  n_ctx=1024)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+def test_a_hybrids_verify_pass_gives_the_one_token_logits(tmp_path, quant):
+    """Qwen3.5/3.6-MoE: linear-attention layers with a recurrent state (snapshots kept for the
+    rollback, as a speculative session keeps them) between the attention layers."""
+    path = make_random_model(tmp_path / "hybrid.gguf", tiny_config("qwen35moe", n_embd=256, n_ff_exp=256), seed=4,
+                             quant=quant)
+    model = Model(path, repack="on")
+    try:
+        rng = np.random.default_rng(3)
+        verify_rows_match_decodes(model, rng.integers(0, 256, 12).tolist(), rng.integers(0, 256, ROWS).tolist(),
+                                  rollback=GAMMA_MAX)
+    finally:
+        model.close()
