@@ -39,8 +39,9 @@ from rich.text import Text
 from orchestrator.cli import drafts, profile_measure, record
 from orchestrator.cli.options import EXIT_INTERRUPTED, RunOptions, default_threads, fail, run_options
 from orchestrator.cli.setup import open_session, session_setup
-from orchestrator.decoding.speculative import Session
+from orchestrator.decoding.speculative import EXACT_ROWS, Session
 from orchestrator.engine import rpc
+from orchestrator.engine.host_layout import set_batch_invariant_rows
 from orchestrator.engine.llm import ModelError, deferred_sigint
 from orchestrator.engine.native import NativeError
 from orchestrator.sim import cli as sim_cli
@@ -416,6 +417,9 @@ def rpc_server(
     threads: Annotated[int, typer.Option("-t", "--threads", help="CPU threads of the served CPU device")] = 0,
     device: Annotated[Optional[str], typer.Option("-d", "--device", show_default=False,
                                                   help="ggml device to serve \\[default: the first GPU, else the CPU]")] = None,
+    exact: Annotated[bool, typer.Option("--exact/--no-exact", help="a served CPU device computes batches of up to "
+                                        "32 tokens row by row as one token, as the client's host does (spac generate's "
+                                        "--exact)")] = True,
 ) -> None:
     """Serve this machine's GPU (or CPU) to spac or llama.cpp on another machine (`--rpc HOST:PORT`
     there), as llama.cpp's rpc-server. Unauthenticated: never on an untrusted network."""
@@ -423,6 +427,7 @@ def rpc_server(
         fail(f"-p/--port must be 1..65535, got {port}")
     if host not in ("127.0.0.1", "localhost", "::1"):
         err.print(f"[yellow]WARNING: serving on {host}: {rpc.WARNING}[/]", soft_wrap=True)
+    set_batch_invariant_rows(EXACT_ROWS if exact else 0)
     try:
         rpc.serve(f"{host}:{port}", threads if threads > 0 else default_threads(), device,
                   on_ready=lambda: err.print(f"RPC server on {host}:{port} ({device or 'first GPU, else CPU'}); "
