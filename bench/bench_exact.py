@@ -10,6 +10,7 @@ their ratio, and the one-token decode's (b = 1: only the split-KV attention path
 
     .venv/bin/python bench/bench_exact.py -m T.gguf [--batches 1,2,5,9] [--context 256] [--passes 15]
         [--repack auto|on|off] [-t 2]
+    .venv/bin/python bench/bench_exact.py -m T.gguf --batches 64,512 --exact-rows 512   # prompts exact too?
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=15, help="timed passes per size and mode")
     ap.add_argument("--repack", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--exact-rows", type=int, default=EXACT_ROWS,
+                    help="the mode's row limit (a session's: %(default)s); larger to price exact prompt passes")
     args = ap.parse_args()
 
     init_backend()
@@ -54,7 +57,7 @@ def main() -> None:
     try:
         ctx.decode(prompt, logits_all=False)
         for b in batches:
-            times: dict[int, list[float]] = {0: [], EXACT_ROWS: []}
+            times: dict[int, list[float]] = {0: [], args.exact_rows: []}
             for i in range(args.passes + 1):  # the first pass of each mode warms up
                 for rows in times:
                     set_batch_invariant_rows(rows)
@@ -64,7 +67,7 @@ def main() -> None:
                     ctx.logits()
                     if i:
                         times[rows].append(time.perf_counter() - t0)
-            off, on = (statistics.median(times[r]) * 1e3 for r in (0, EXACT_ROWS))
+            off, on = (statistics.median(times[r]) * 1e3 for r in (0, args.exact_rows))
             print(f"| {b} | {off:.2f} | {on:.2f} | {on / off:.2f} |", flush=True)
     finally:
         set_batch_invariant_rows(0)

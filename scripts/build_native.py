@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 VENDOR = ROOT / "vendor"
 LOCK = VENDOR / "llama-cpp-python.lock"
+IK_LOCK = VENDOR / "ik-llama-cpp-python.lock"  # the host-kernel peer's source (bench/bench_cpu.py)
 PATCHES = ROOT / "ggml-patches"
 TREE = VENDOR / "llama-cpp-python"      # extracted sdist, a git repo
 LLAMA_CPP_DIR = "vendor/llama.cpp"       # llama.cpp inside the sdist; patches are relative to it
@@ -68,16 +69,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_lock() -> dict:
+def read_lock(path: Path = LOCK) -> dict:
     """The lock file's `key = "value"` lines (a TOML subset: tomllib is 3.11+, this runs on 3.10)."""
     out = {}
-    for n, line in enumerate(LOCK.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         key, sep, value = (part.strip() for part in line.partition("="))
         if not sep or len(value) < 2 or value[0] != '"' or value[-1] != '"':
-            raise BuildError(f"{LOCK.name}:{n}: expected key = \"value\", got {line!r}")
+            raise BuildError(f"{path.name}:{n}: expected key = \"value\", got {line!r}")
         out[key] = value[1:-1]
     return out
 
@@ -246,7 +247,7 @@ def up_to_date(key: str, python: str, stamp_file: Path = STAMP) -> bool:
             and stamp.get("lib") == str(lib) and stamp.get("lib_mtime") == lib.stat().st_mtime)
 
 
-def fetch_sdist(lock: dict, python: str, sdist: Path | None) -> Path:
+def fetch_sdist(lock: dict, python: str, sdist: Path | None, lock_file: Path = LOCK) -> Path:
     """Return a verified copy of the pinned sdist; raise before touching anything on mismatch."""
     cached = VENDOR / "downloads" / lock["filename"]
     if sdist is None and not cached.exists():
@@ -260,7 +261,7 @@ def fetch_sdist(lock: dict, python: str, sdist: Path | None) -> Path:
                 raise BuildError(f"pip download failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
             digest = sha256_file(got[0])
             if digest != lock["sha256"]:
-                raise BuildError(_hash_message(got[0].name, lock, digest))
+                raise BuildError(_hash_message(got[0].name, lock, digest, lock_file))
             cached.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(got[0], cached)
         return cached
@@ -269,12 +270,12 @@ def fetch_sdist(lock: dict, python: str, sdist: Path | None) -> Path:
         raise BuildError(f"sdist {path} does not exist")
     digest = sha256_file(path)
     if digest != lock["sha256"]:
-        raise BuildError(_hash_message(str(path), lock, digest))
+        raise BuildError(_hash_message(str(path), lock, digest, lock_file))
     return path
 
 
-def _hash_message(name: str, lock: dict, digest: str) -> str:
-    return (f"sha256 mismatch for {name}:\n  expected {lock['sha256']} (vendor/llama-cpp-python.lock)\n"
+def _hash_message(name: str, lock: dict, digest: str, lock_file: Path) -> str:
+    return (f"sha256 mismatch for {name}:\n  expected {lock['sha256']} (vendor/{lock_file.name})\n"
             f"  got      {digest}\nrefusing to build from it; the earlier build is left in place")
 
 
@@ -367,29 +368,55 @@ def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
              *no_amx_args()]
+    return _build_programs(lock, LOCK, python, sdist, "stock", LLAMA_CPP_DIR, STOCK_TARGETS, cmake)
+
+
+def build_ik(python: str) -> Path:
+    """Build ik_llama.cpp's llama-bench from the sdist pinned in IK_LOCK, as its users build it
+    (Release, -march=native, its own CPU kernels on): the host-kernel peer of bench/bench_cpu.py.
+    Cached under vendor/build/ik-<key>; returns llama-bench's path."""
+    cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", *no_amx_args()]
+    return _build_programs(read_lock(IK_LOCK), IK_LOCK, python, None, "ik", "vendor/ik_llama.cpp", ("llama-bench",),
+                           cmake)
+
+
+def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None, name: str, source_dir: str,
+                    targets: tuple[str, ...], cmake: list[str]) -> Path:
+    """CMake `targets` of the tree at `source_dir` inside the locked sdist into
+    vendor/build/<name>-<key> (key: the sdist's hash and the CMake arguments); the first target's path."""
     key = hashlib.sha256(json.dumps([lock["sha256"], cmake]).encode()).hexdigest()[:10]
-    out = VENDOR / "build" / f"stock-{key}"
-    exe = out / "bin" / "llama-simple"
-    if all((out / "bin" / t).exists() for t in STOCK_TARGETS):
+    out = VENDOR / "build" / f"{name}-{key}"
+    exe = out / "bin" / targets[0]
+    if all((out / "bin" / t).exists() for t in targets):
         return exe
-    sdist = fetch_sdist(lock, python, sdist)
+    sdist = fetch_sdist(lock, python, sdist, lock_file)
     src = out / "src"
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
-    log(f"building stock llama.cpp's {', '.join(STOCK_TARGETS)} in {out.relative_to(ROOT)}")
+    log(f"building {lock['name']}'s {', '.join(targets)} in {out.relative_to(ROOT)}")
     with tarfile.open(sdist) as tf:
         tf.extractall(src, filter="data")
     (top,) = list(src.iterdir())
-    for cmd in (["cmake", "-S", str(top / LLAMA_CPP_DIR), "-B", str(out), *cmake],
-                ["cmake", "--build", str(out), "--target", *STOCK_TARGETS, "-j", str(os.cpu_count() or 1)]):
+    for cmd in (["cmake", "-S", str(top / source_dir), "-B", str(out), *cmake],
+                ["cmake", "--build", str(out), "--target", *targets, "-j", str(os.cpu_count() or 1)]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
     shutil.rmtree(src, ignore_errors=True)
-    missing = [t for t in STOCK_TARGETS if not (out / "bin" / t).exists()]
+    missing = [t for t in targets if not (out / "bin" / t).exists()]
     if missing:
-        raise BuildError(f"the stock build produced no {', '.join(missing)} in {out / 'bin'}")
+        raise BuildError(f"the {name} build produced no {', '.join(missing)} in {out / 'bin'}")
     return exe
+
+
+def ik_program(name: str = "llama-bench") -> Path:
+    """ik_llama.cpp's llama-bench, built first where needed by `build_native.py --ik` in a process
+    of its own (as stock_program)."""
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ik"], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"the ik_llama.cpp build failed:\n{res.stderr[-3000:]}")
+    return Path(res.stdout.strip().splitlines()[-1]).parent / name
 
 
 def patch_description(text: str) -> str:
@@ -491,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock", action="store_true",
                     help="build unpatched llama.cpp's llama-simple, llama-speculative-simple, llama-bench and "
                          "llama-quantize (cached under vendor/build/) and print llama-simple's path")
+    ap.add_argument("--ik", action="store_true",
+                    help="build ik_llama.cpp's llama-bench (vendor/ik-llama-cpp-python.lock; cached under "
+                         "vendor/build/), the host-kernel peer of bench/bench_cpu.py, and print its path")
     ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
     ap.add_argument("--export-patches", action="store_true",
                     help="write the commits of vendor/llama-cpp-python back to ggml-patches/")
@@ -500,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.export_patches:
             export_patches()
+            return 0
+        if args.ik:
+            print(build_ik(args.python))
             return 0
         lock = read_lock()
         if args.stock:

@@ -99,14 +99,16 @@ def test_draft_missing_or_corrupt_source(tmp_path):
 
 # ----------------------------------------------------------------------------- Python 3.10
 
-def test_build_script_reads_its_lock_without_tomllib():
+@pytest.mark.parametrize("name", ["LOCK", "IK_LOCK"])
+def test_build_script_reads_its_lock_without_tomllib(name):
     import build_native  # scripts/ is on pytest's pythonpath
-    lock = build_native.read_lock()
+    path = getattr(build_native, name)
+    lock = build_native.read_lock(path)
     assert lock["version"] and len(lock["sha256"]) == 64
     if sys.version_info >= (3, 11):
         import tomllib
 
-        assert lock == tomllib.loads(build_native.LOCK.read_text())
+        assert lock == tomllib.loads(path.read_text())
 
 
 def test_no_module_needs_python_311():
