@@ -52,6 +52,12 @@ struct spac_engine_params {
     int32_t      layer_begin;   // the model layers [layer_begin, layer_end) whose experts this pool
     int32_t      layer_end;     // holds (the others: another device's engine, or the host);
                                 // layer_end <= 0: every layer from layer_begin
+    int32_t      upload_on_miss_tokens; // ablation, llama.cpp's own expert cache: a ubatch of at most
+                                // this many tokens uploads, at each MoE layer once its router has run,
+                                // the chosen experts the pool lacks into its least recently used slots
+                                // (hits touched first, then the misses in ascending ids), and computes
+                                // every routed expert on the pool device. The pool becomes an LRU cache
+                                // (send no plans). 0: off; needs room for the staging slots (logged).
 };
 
 enum spac_stream_prefill {

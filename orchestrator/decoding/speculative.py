@@ -138,6 +138,7 @@ class Session:
         self.policy = policy
         self.draft = self.draft_ctx = None
         self.engine_note = ""
+        self._native_cache = False  # the engine's upload-on-miss LRU instead of plans (patch 0023)
         self._models: list[Model] = []
         self._contexts: list[Context] = []
         self._tokens: list[int] = []
@@ -238,8 +239,12 @@ class Session:
     def _open_engine(self, cfg: SessionConfig) -> None:
         if self.policy is None:
             self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
+        # llama.cpp's own expert cache (policies.cache.LlamaMoeCache) runs in the engine itself
+        # (patch 0023): each layer uploads its misses into LRU slots; the session sends no plans
+        self._native_cache = bool(self.policy.readback_max_tokens) and not getattr(self.policy, "per_layer", False)
         try:
-            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill)
+            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill,
+                               upload_on_miss_tokens=self.policy.readback_max_tokens if self._native_cache else 0)
             if len(cfg.pool) > 1:  # one pool per device, on the layers llama.cpp placed there
                 n = self.target.n_layer
                 layers = pool_layer_ranges(model_layer_devices(self.target.ptr, n), [d.name for d in cfg.pool],
@@ -260,7 +265,8 @@ class Session:
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self._open_draft_routing()
         lookahead = self.draft_routing is not None or self.policy.draft_optional
-        if self.policy.miss != "cpu" or (self.policy.uses_draft_routing and not lookahead) or self.policy.needs_future:
+        if ((self.policy.miss != "cpu" and not self._native_cache) or (self.policy.uses_draft_routing and not lookahead)
+                or self.policy.needs_future):
             raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
                              "on the host, from the target's routing and an MoE draft's)")
         stats = self.engine.stats()
@@ -504,6 +510,11 @@ class Session:
         routing = StepRouting(selected=ids.transpose(1, 0, 2), weights=weights.transpose(1, 0, 2),
                               n_drafted=n_drafted, n_accepted=n_accepted, position=self.ctx.n_past - n_accepted - 1)
         policy, engine = self.policy, self.engine
+        if self._native_cache:  # the engine's LRU decides at each layer: nothing to plan
+            if self.on_step is not None:
+                self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
+                                         n_drafted=n_drafted, n_accepted=n_accepted, position=routing.position))
+            return
         if self._plan_in_force is not None:
             self.recorder.hot_cold(self._plan_in_force.utility, self._plan_in_force.threshold,
                                    routing.frequency(engine.n_expert))
@@ -525,6 +536,8 @@ class Session:
         return self.engine.residency() >= 0
 
     def _send(self, plan: Plan) -> None:
+        if self._native_cache:
+            return
         if plan is not self._plan_sent:  # a static plan is sent once
             self.engine.set_plan(plan)
             self._plan_sent = plan

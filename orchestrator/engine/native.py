@@ -43,6 +43,7 @@ class SpacEngineParams(ctypes.Structure):
         ("stream_prefill", c_int32),
         ("layer_begin", c_int32),
         ("layer_end", c_int32),
+        ("upload_on_miss_tokens", c_int32),
     ]
 
 
@@ -283,6 +284,10 @@ class ExpertEngine:
     StreamPrefill.AHEAD or USED (or their names).
     layers: the model layers [begin, end) whose experts this pool holds, (0, 0) every layer
     (several devices: `SeveralPools`, one engine per device on the same context).
+    upload_on_miss_tokens: the live ablation of llama.cpp's own expert cache (0: off; its value
+    32): ubatches of at most this many tokens upload each layer's chosen non-resident experts into
+    the pool's least recently used slots, then compute every routed expert on the device; send no
+    plans then (the pool is the cache).
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
@@ -290,7 +295,7 @@ class ExpertEngine:
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
                  skip_absent: bool = False, only_half: str | None = None,
                  stream_prefill: StreamPrefill | str = StreamPrefill.OFF,
-                 layers: tuple[int, int] = (0, 0)):
+                 layers: tuple[int, int] = (0, 0), upload_on_miss_tokens: int = 0):
         self._ctx = _ctx_ptr(ctx)
         self.device = device or "CPU"
         self.layers = layers
@@ -304,6 +309,7 @@ class ExpertEngine:
         p.copy_delay_us = int(copy_delay_us)
         p.skip_absent = bool(skip_absent)
         p.layer_begin, p.layer_end = int(layers[0]), int(layers[1])
+        p.upload_on_miss_tokens = int(upload_on_miss_tokens)
         stream = StreamPrefill(stream_prefill)
         if stream not in STREAM_PREFILL:  # AUTO: resolved by the caller, which knows the device
             raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)}, got {stream_prefill!r}")

@@ -1,0 +1,119 @@
+"""The live ablation of llama.cpp's own expert cache (patch 0023, `upload_on_miss_tokens`): a
+ubatch of at most 32 tokens uploads, at each MoE layer once its router has run, the chosen
+experts the pool lacks into its least recently used slots, then computes every routed expert on
+the pool device. On the CPU test device its logits equal the unsplit model's bit for bit; no
+expert is computed on the host; the pool keeps what was used, evicting the least recently used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from orchestrator.engine.llm import Context, Model
+from orchestrator.engine.native import ExpertEngine, engine_built
+from orchestrator.modelio.gguf_export import make_random_model
+
+from engine_common import model_config
+
+pytestmark = pytest.mark.skipif(not engine_built(), reason="native engine not built")
+CACHE_TOKENS = 32  # llama.cpp's: a verify pass's ubatch
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("upload-on-miss")
+    return {q: make_random_model(d / f"m-{q}.gguf", model_config("qwen3moe"), seed=2, dtype="f32",
+                                 quant=None if q == "f32" else q) for q in ("f32", "q4_k_m")}
+
+
+def passes(ctx: Context, runs: list[list[int]]) -> list[np.ndarray]:
+    ctx.clear()
+    out = []
+    for run in runs:
+        ctx.decode(run)
+        out.append(ctx.logits().copy())
+    return out
+
+
+RUNS = [list(range(10, 22)), [5], [7, 8, 9], [200, 201, 202, 203, 204, 205, 206, 207, 208], [33], [34, 35]]
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4_k_m"])
+@pytest.mark.parametrize("budget", [0.1, 0.5])
+def test_every_routed_expert_runs_on_the_device_and_the_logits_are_unchanged(models, quant, budget):
+    model = Model(models[quant], repack="off")
+    ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
+    try:
+        want = passes(ctx, RUNS)
+        with ExpertEngine(ctx.ptr, models[quant], budget_ratio=budget, upload_on_miss_tokens=CACHE_TOKENS) as engine:
+            got = passes(ctx, RUNS)
+            s = engine.stats()
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+            assert s["n_expert_tokens_cpu"] == 0 and s["n_expert_tokens_device"] > 0
+            assert s["n_staged"] > 0          # misses were uploaded on the critical path
+            assert s["n_copies"] == 0         # and no plan copied anything
+            if budget < 0.5:
+                assert s["n_evictions"] > 0   # a small pool turns over
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_the_pool_keeps_what_was_used(models):
+    """A second pass over the same tokens finds every expert it routes to resident: nothing more
+    uploaded, nothing evicted (the pool holds every expert at this budget)."""
+    model = Model(models["f32"], repack="off")
+    ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
+    try:
+        with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=1.0, upload_on_miss_tokens=CACHE_TOKENS) as engine:
+            tokens = list(range(40, 52))
+            ctx.decode(tokens)
+            first = engine.stats()
+            ctx.clear()
+            ctx.decode(tokens)
+            second = engine.stats()
+            assert first["n_staged"] > 0
+            assert second["n_staged"] == first["n_staged"] and second["n_evictions"] == 0
+            resident = engine.residency() >= 0
+            assert resident.sum() == first["n_staged"]  # exactly the experts it uploaded
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_a_larger_ubatch_keeps_the_split(models):
+    """Above 32 tokens (a prompt) the ablation is off: the split computes the misses on the host."""
+    model = Model(models["f32"], repack="off")
+    ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
+    try:
+        with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=0.25, upload_on_miss_tokens=CACHE_TOKENS) as engine:
+            ctx.decode(list(range(60, 100)))  # 40 tokens: split (≤ 64), not cached
+            ctx.logits()                      # synchronized: the counts are in
+            s = engine.stats()
+            assert s["n_staged"] == 0 and s["n_expert_tokens_cpu"] > 0
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_a_session_with_llama_cpps_cache_gives_target_only_tokens(models, tmp_path):
+    """`Session(cfg, policy=LlamaMoeCache())`: the live ablation, speculative (the Q4_K_M target
+    drafting for itself through its pool) and not, gives target-only's greedy tokens, with every
+    routed expert of its passes on the device and no plan sent."""
+    from orchestrator.decoding.sampling import SamplingParams
+    from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
+    from orchestrator.engine.pool import Budget, PoolDevice
+    from orchestrator.policies.cache import LlamaMoeCache
+
+    greedy = SamplingParams(temperature=0)
+    base = dict(model=models["q4_k_m"], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
+    prompt = [1, 2, 3, 4, 5, 6]
+    with Session(SessionConfig(**base, engine=False)) as plain:
+        want = plain.complete(prompt, 24, sampling=greedy).tokens
+    for draft in (None, POOL_DRAFT):
+        cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
+        with Session(cfg, policy=LlamaMoeCache()) as s:
+            assert s.complete(prompt, 24, sampling=greedy).tokens == want
+            st = s.engine.stats()
+            assert st["n_staged"] > 0 and st["n_copies"] == 0
