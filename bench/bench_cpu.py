@@ -1,14 +1,17 @@
-"""The host's kernels against stock llama.cpp: decode and prefill tok/s on the same files, same
-threads, in one run.
+"""The host's kernels against stock llama.cpp and ik_llama.cpp: decode and prefill tok/s on the
+same files, same threads, in one run.
 
 For each file: stock `llama-bench` (built from the pinned tree, `scripts/build_native.py --stock`)
-with `--repack 0` and `--repack 1` (its default), and spac's target-only decoding (the model loaded
+with `--repack 0` and `--repack 1` (its default); ik_llama.cpp's `llama-bench` (built from the
+sdist pinned in vendor/ik-llama-cpp-python.lock, `scripts/build_native.py --ik`) with the
+settings its users pick for a hybrid MoE on the CPU, `-rtr 0 -fmoe 1` and `-rtr 1 -fmoe 1`
+(run-time repacking off/on, fused up/gate experts; flash attention on, its default); and spac's target-only decoding (the model loaded
 as `spac generate` loads it, pool off as on a machine without a GPU, decoded through
 `orchestrator.engine.llm`) with `--repack` as given (default: spac's default), both timed the same way:
 tg = --n-gen single-token decodes of random tokens from an empty context (decoding, not sampling),
 pp = one --n-prompt-token prompt after a warm-up run of it. Printed: tok/s, the median of --repeats,
-spac ÷ llama.cpp's default and ÷ the better of its two settings (per phase and both at once),
-and each process's peak resident memory.
+spac ÷ llama.cpp's default, ÷ the better of its two settings and ÷ ik_llama.cpp's better one
+(per phase), and each process's peak resident memory.
 
 The files are the OLMoE and Qwen3-30B-A3B shapes with a few layers (`make_synthetic_moe.py`,
 random zero-mean Q4_0, so that a prompt's routing spreads over the experts as a real model's),
@@ -23,6 +26,7 @@ processes used during the run are printed.
     .venv/bin/python bench/bench_cpu.py                        # 2 shapes x 4 types, 4 layers
     .venv/bin/python bench/bench_cpu.py --files a.gguf b.gguf -t 2 --json rows.json
     .venv/bin/python bench/bench_cpu.py --spac-repack off      # spac with llama.cpp's repacking off
+    .venv/bin/python bench/bench_cpu.py --no-ik                # without ik_llama.cpp (no build of it)
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
+from build_native import ik_program  # noqa: E402  (scripts/, on the path through bench_live)
 
 from orchestrator.engine.host_layout import cpu_model_and_flags  # noqa: E402
 
@@ -89,13 +94,14 @@ def run_measured(cmd: list[str]) -> tuple[str, int]:
         return out.read().decode(), usage.ru_maxrss * 1024
 
 
-def llama_bench(exe: Path, path: Path, repack: int, threads: int, n_prompt: int, n_gen: int) -> dict:
-    """One llama-bench run (one repetition of pp and tg: the rows alternate between repetitions)."""
+def llama_bench(exe: Path, path: Path, settings: list[str], threads: int, n_prompt: int, n_gen: int) -> dict:
+    """One llama-bench run (one repetition of pp and tg: the rows alternate between repetitions);
+    settings: the peer's own flags (stock `--repack 1`, ik_llama.cpp `-rtr 1 -fmoe 1`)."""
     rows = {}
     rss = 0
     for phase, p, n in (("pp", n_prompt, 0), ("tg", 0, n_gen)):
         out, r = run_measured([str(exe), "-m", str(path), "-t", str(threads), "-p", str(p), "-n", str(n),
-                               "-r", "1", "--repack", str(repack), "-o", "json"])
+                               "-r", "1", *settings, "-o", "json"])
         rows[phase] = json.loads(out)[0]["avg_ts"]
         rss = max(rss, r)
     return {"pp": rows["pp"], "tg": rows["tg"], "rss": rss}
@@ -113,8 +119,11 @@ def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -
     generate` loads it, no pool, through orchestrator.engine.llm), timed as llama-bench times its runs."""
     import numpy as np
 
+    from orchestrator.decoding.speculative import EXACT_ROWS
+    from orchestrator.engine.host_layout import set_batch_invariant_rows
     from orchestrator.engine.llm import Context, Model
 
+    set_batch_invariant_rows(EXACT_ROWS)  # a session's default (--exact): passes of up to 32 tokens row by row
     model = Model(path, repack=repack)
     # one context for both phases (cleared in between), as large as llama-bench's larger one
     ctx = Context(model, n_ctx=max(n_prompt, n_gen), n_batch=n_prompt, n_threads=threads)
@@ -150,6 +159,7 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--spac-repack", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--no-ik", action="store_true", help="leave ik_llama.cpp out (no build of it)")
     ap.add_argument("--json", type=Path, help="also write the rows here as a JSON list")
     ap.add_argument("--spac-row", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -160,38 +170,50 @@ def main() -> None:
     print(f"CPU: {cpu_description()}")
     files = args.files or make_files(args.dir, args.n_layer, args.types.split(","), args.shapes.split(","))
     bench = stock_program("llama-bench")
+    peers = {"llama.cpp --repack 0": (bench, ["--repack", "0"]), "llama.cpp --repack 1": (bench, ["--repack", "1"])}
+    if not args.no_ik:
+        ik = ik_program("llama-bench")
+        peers |= {"ik -rtr 0 -fmoe 1": (ik, ["-rtr", "0", "-fmoe", "1"]), "ik -rtr 1 -fmoe 1": (ik, ["-rtr", "1", "-fmoe", "1"])}
     print(f"threads {args.threads}, pp {args.n_prompt}, tg {args.n_gen}, median of {args.repeats}; "
           f"spac --repack {args.spac_repack}", flush=True)
     machine0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
     results = []
     for f in files:
-        runs: dict[str, list[dict]] = {"llama.cpp --repack 0": [], "llama.cpp --repack 1": [], "spac": []}
+        runs: dict[str, list[dict]] = {name: [] for name in [*peers, "spac"]}
         for _ in range(args.repeats):
-            runs["llama.cpp --repack 0"].append(llama_bench(bench, f, 0, args.threads, args.n_prompt, args.n_gen))
-            runs["llama.cpp --repack 1"].append(llama_bench(bench, f, 1, args.threads, args.n_prompt, args.n_gen))
+            for name, (exe, settings) in peers.items():
+                runs[name].append(llama_bench(exe, f, settings, args.threads, args.n_prompt, args.n_gen))
             runs["spac"].append(spac_bench(f, args.spac_repack, args.threads, args.n_prompt, args.n_gen))
         med = {k: {m: statistics.median(r[m] for r in v) for m in ("pp", "tg", "rss")} for k, v in runs.items()}
         r0, r1, sp = med["llama.cpp --repack 0"], med["llama.cpp --repack 1"], med["spac"]
         best = {m: max(r0[m], r1[m]) for m in ("pp", "tg")}
+        ik = [med[k] for k in peers if k.startswith("ik")]
         row = {"file": f.name, "llama_repack0": r0, "llama_repack1": r1, "spac": sp,
+               "ik": {k: med[k] for k in peers if k.startswith("ik")},
                "spac_layout": runs["spac"][-1]["layout"],
                "spac_vs_default": {m: sp[m] / r1[m] for m in ("pp", "tg")},
                "spac_vs_best": {m: sp[m] / best[m] for m in ("pp", "tg")},
+               "spac_vs_ik_best": {m: sp[m] / max(r[m] for r in ik) for m in ("pp", "tg")} if ik else None,
                "rss_vs_default": sp["rss"] / r1["rss"]}
         results.append(row)
-        print(f"  {f.name}: spac {sp['tg']:.1f}/{sp['pp']:.1f}, llama.cpp r0 {r0['tg']:.1f}/{r0['pp']:.1f}, "
-              f"r1 {r1['tg']:.1f}/{r1['pp']:.1f} (tg/pp tok/s); spac layout: {row['spac_layout']}", flush=True)
+        print(f"  {f.name}: " + ", ".join(f"{k} {v['tg']:.1f}/{v['pp']:.1f}" for k, v in med.items())
+              + f" (tg/pp tok/s); spac layout: {row['spac_layout']}", flush=True)
     wall = time.monotonic() - t0
     other = machine_cpu_seconds() - machine0 - (own_cpu_seconds() - own0)
     print()
-    print("| file | llama.cpp --repack 0 tg / pp | --repack 1 (default) tg / pp | spac tg / pp | "
-          "spac ÷ default tg / pp | spac ÷ best tg / pp | RSS spac ÷ default |")
-    print("|---|---|---|---|---|---|---|")
+    ik_names = [k for k in peers if k.startswith("ik")]
+    print("| file | llama.cpp --repack 0 tg / pp | --repack 1 (default) tg / pp | "
+          + "".join(f"{k} tg / pp | " for k in ik_names) + "spac tg / pp | "
+          "spac ÷ default tg / pp | spac ÷ best tg / pp | " + ("spac ÷ ik best tg / pp | " if ik_names else "")
+          + "RSS spac ÷ default |")
+    print("|---|---|---|" + "---|" * len(ik_names) + "---|---|---|" + ("---|" if ik_names else ""))
     for r in results:
         r0, r1, sp = r["llama_repack0"], r["llama_repack1"], r["spac"]
-        print(f"| {r['file']} | {r0['tg']:.1f} / {r0['pp']:.1f} | {r1['tg']:.1f} / {r1['pp']:.1f} | "
+        ik_cells = "".join(f"{r['ik'][k]['tg']:.1f} / {r['ik'][k]['pp']:.1f} | " for k in ik_names)
+        vs_ik = f"{r['spac_vs_ik_best']['tg']:.3f} / {r['spac_vs_ik_best']['pp']:.3f} | " if ik_names else ""
+        print(f"| {r['file']} | {r0['tg']:.1f} / {r0['pp']:.1f} | {r1['tg']:.1f} / {r1['pp']:.1f} | {ik_cells}"
               f"{sp['tg']:.1f} / {sp['pp']:.1f} | {r['spac_vs_default']['tg']:.3f} / {r['spac_vs_default']['pp']:.3f} | "
-              f"{r['spac_vs_best']['tg']:.3f} / {r['spac_vs_best']['pp']:.3f} | {r['rss_vs_default']:.3f} |")
+              f"{r['spac_vs_best']['tg']:.3f} / {r['spac_vs_best']['pp']:.3f} | {vs_ik}{r['rss_vs_default']:.3f} |")
     # children are timed as their own processes: what is not ours or theirs is the machine's other load
     print(f"\nwall {wall:.0f} s; other processes used {max(other, 0.0):.1f} CPU s "
           f"({100 * max(other, 0.0) / (wall * (os.cpu_count() or 1)):.1f}% of the machine)")

@@ -71,7 +71,10 @@ WARM_UP = "def main():\n    "
 DEFAULT_TARGET = ROOT / "runs" / "mb" / "olmoe-bytes-f16.gguf"
 DEFAULT_DRAFT = MODELS_DIR / "spac-tiny-moe-q4_0.gguf"
 BUDGETS = (0.25, 0.5)
-POLICIES = {"static": "static", "spac": "spac/host"}  # live name → the simulator's policy of the same class
+# live name → the simulator's policy of the same class; llama-moe-cache: llama.cpp's own expert cache
+# in spac's engine (patch 0023), on request (--policies)
+POLICIES = {"static": "static", "spac": "spac/host", "llama-moe-cache": "llama-moe-cache"}
+DEFAULT_POLICIES = ("static", "spac")
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Run:
 @dataclass
 class Row:
     budget: float
-    policy: str        # "static" | "spac"
+    policy: str        # a key of POLICIES
     speculative: bool
     n_slots: int = 0
     runs: list = field(default_factory=list)
@@ -178,7 +181,10 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
                         n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, engine=True,
                         pool=(PoolDevice(device or "CPU", Budget(ratio=row.budget)),), calibration_cache=cache, mmap=args.mmap)
-    policy = StaticPlacement() if row.policy == "static" else LookaheadUtility(miss="cpu")  # the session's default
+    from orchestrator.policies.cache import LlamaMoeCache
+
+    policy = {"static": StaticPlacement, "llama-moe-cache": LlamaMoeCache}.get(
+        row.policy, lambda: LookaheadUtility(miss="cpu"))()  # spac: the session's default
     with Session(cfg, policy=policy) as s:
         s.complete(WARM_UP, max_tokens=16)
         eng = s.engine
@@ -349,6 +355,8 @@ def main() -> None:
     ap.add_argument("-md", "--model-draft", type=Path, default=DEFAULT_DRAFT)
     ap.add_argument("-n", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help=f"live policies, of {', '.join(POLICIES)} (llama-moe-cache: llama.cpp's cache, patch 0023)")
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3,
                     help="live runs of every row, interleaved (their spread decides which rows differ)")
@@ -386,7 +394,10 @@ def main() -> None:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     load0 = os.getloadavg()
     cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
-    rows = [] if args.no_live else [Row(b, p, spec) for b in BUDGETS for p in POLICIES for spec in (True, False)]
+    policies = [p.strip() for p in args.policies.split(",")]
+    if unknown := [p for p in policies if p not in POLICIES]:
+        sys.exit(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    rows = [] if args.no_live else [Row(b, p, spec) for b in BUDGETS for p in policies for spec in (True, False)]
     overlap = []
     if args.replay:
         return replay(args, command)
