@@ -180,16 +180,26 @@ def main() -> None:
     results = []
     for f in files:
         runs: dict[str, list[dict]] = {name: [] for name in [*peers, "spac"]}
+        failed: dict[str, str] = {}  # a peer that cannot run this file (ik_llama.cpp has no OLMoE)
         for _ in range(args.repeats):
             for name, (exe, settings) in peers.items():
-                runs[name].append(llama_bench(exe, f, settings, args.threads, args.n_prompt, args.n_gen))
+                if name in failed:
+                    continue
+                try:
+                    runs[name].append(llama_bench(exe, f, settings, args.threads, args.n_prompt, args.n_gen))
+                except RuntimeError as e:
+                    if not name.startswith("ik"):
+                        raise
+                    failed[name] = str(e).strip().splitlines()[-1]
+                    print(f"  {f.name}: {name}: {failed[name]}", flush=True)
             runs["spac"].append(spac_bench(f, args.spac_repack, args.threads, args.n_prompt, args.n_gen))
+        runs = {k: v for k, v in runs.items() if k not in failed}
         med = {k: {m: statistics.median(r[m] for r in v) for m in ("pp", "tg", "rss")} for k, v in runs.items()}
         r0, r1, sp = med["llama.cpp --repack 0"], med["llama.cpp --repack 1"], med["spac"]
         best = {m: max(r0[m], r1[m]) for m in ("pp", "tg")}
-        ik = [med[k] for k in peers if k.startswith("ik")]
+        ik = [med[k] for k in med if k.startswith("ik")]
         row = {"file": f.name, "llama_repack0": r0, "llama_repack1": r1, "spac": sp,
-               "ik": {k: med[k] for k in peers if k.startswith("ik")},
+               "ik": {k: med[k] for k in med if k.startswith("ik")},
                "spac_layout": runs["spac"][-1]["layout"],
                "spac_vs_default": {m: sp[m] / r1[m] for m in ("pp", "tg")},
                "spac_vs_best": {m: sp[m] / best[m] for m in ("pp", "tg")},
@@ -206,11 +216,13 @@ def main() -> None:
           + "".join(f"{k} tg / pp | " for k in ik_names) + "spac tg / pp | "
           "spac ÷ default tg / pp | spac ÷ best tg / pp | " + ("spac ÷ ik best tg / pp | " if ik_names else "")
           + "RSS spac ÷ default |")
-    print("|---|---|---|" + "---|" * len(ik_names) + "---|---|---|" + ("---|" if ik_names else ""))
+    print("|---|---|---|" + "---|" * len(ik_names) + "---|---|---|---|" + ("---|" if ik_names else ""))
     for r in results:
         r0, r1, sp = r["llama_repack0"], r["llama_repack1"], r["spac"]
-        ik_cells = "".join(f"{r['ik'][k]['tg']:.1f} / {r['ik'][k]['pp']:.1f} | " for k in ik_names)
-        vs_ik = f"{r['spac_vs_ik_best']['tg']:.3f} / {r['spac_vs_ik_best']['pp']:.3f} | " if ik_names else ""
+        ik_cells = "".join(f"{r['ik'][k]['tg']:.1f} / {r['ik'][k]['pp']:.1f} | " if k in r["ik"] else "cannot load | "
+                           for k in ik_names)
+        vs = r["spac_vs_ik_best"]
+        vs_ik = (f"{vs['tg']:.3f} / {vs['pp']:.3f} | " if vs else "- | ") if ik_names else ""
         print(f"| {r['file']} | {r0['tg']:.1f} / {r0['pp']:.1f} | {r1['tg']:.1f} / {r1['pp']:.1f} | {ik_cells}"
               f"{sp['tg']:.1f} / {sp['pp']:.1f} | {r['spac_vs_default']['tg']:.3f} / {r['spac_vs_default']['pp']:.3f} | "
               f"{r['spac_vs_best']['tg']:.3f} / {r['spac_vs_best']['pp']:.3f} | {vs_ik}{r['rss_vs_default']:.3f} |")

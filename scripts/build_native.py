@@ -377,12 +377,24 @@ def build_ik(python: str) -> Path:
     Cached under vendor/build/ik-<key>; returns llama-bench's path."""
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", *no_amx_args()]
-    return _build_programs(read_lock(IK_LOCK), IK_LOCK, python, None, "ik", "vendor/ik_llama.cpp", ("llama-bench",),
-                           cmake)
+    lock = read_lock(IK_LOCK)
+
+    def build_info(tree: Path) -> None:
+        # the sdist lacks the CMake script that writes common/build-info.cpp from git: write it here
+        # (newer than its template, so the build does not try to)
+        common = tree / "common"
+        text = (common / "build-info.cpp.in").read_text()
+        for key, value in (("BUILD_NUMBER", "0"), ("BUILD_COMMIT", f"sdist-{lock['version']}"),
+                           ("BUILD_COMPILER", "cc"), ("BUILD_TARGET", "native")):
+            text = text.replace(f"@{key}@", value)
+        (common / "build-info.cpp").write_text(text)
+
+    return _build_programs(lock, IK_LOCK, python, None, "ik", "vendor/ik_llama.cpp", ("llama-bench",), cmake,
+                           prepare=build_info)
 
 
 def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None, name: str, source_dir: str,
-                    targets: tuple[str, ...], cmake: list[str]) -> Path:
+                    targets: tuple[str, ...], cmake: list[str], prepare=None) -> Path:
     """CMake `targets` of the tree at `source_dir` inside the locked sdist into
     vendor/build/<name>-<key> (key: the sdist's hash and the CMake arguments); the first target's path."""
     key = hashlib.sha256(json.dumps([lock["sha256"], cmake]).encode()).hexdigest()[:10]
@@ -398,6 +410,8 @@ def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None
     with tarfile.open(sdist) as tf:
         tf.extractall(src, filter="data")
     (top,) = list(src.iterdir())
+    if prepare is not None:
+        prepare(top / source_dir)
     for cmd in (["cmake", "-S", str(top / source_dir), "-B", str(out), *cmake],
                 ["cmake", "--build", str(out), "--target", *targets, "-j", str(os.cpu_count() or 1)]):
         res = subprocess.run(cmd, capture_output=True, text=True)
