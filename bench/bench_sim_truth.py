@@ -200,7 +200,10 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
         s.on_step = lambda step: writer.append(step, s.last_draft_routing)
         for prompt in PROMPTS[:args.prompts]:
             s.reset()
+            staged = eng.stats()["n_staged"]
             c = s.complete(prompt, max_tokens=args.n, sampling=SamplingParams(temperature=0.0))
+            if row.policy == "llama-moe-cache":  # its copies are the uploads on miss (patch 0023)
+                run.copies += int(eng.stats()["n_staged"] - staged)
             run.tokens += c.metrics.n_tokens
             run.seconds += c.metrics.decode_s
             run.device_tokens += c.metrics.n_expert_tokens_device
