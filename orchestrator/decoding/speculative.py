@@ -509,24 +509,23 @@ class Session:
         # the cache now holds what it held before the pass plus the accepted drafts and the pass's first token
         routing = StepRouting(selected=ids.transpose(1, 0, 2), weights=weights.transpose(1, 0, 2),
                               n_drafted=n_drafted, n_accepted=n_accepted, position=self.ctx.n_past - n_accepted - 1)
+        if not self._native_cache:  # with it, the engine's LRU decides at each layer: nothing to plan
+            self._plan_step(routing, draft_s, verify_s, t0)
+        if self.on_step is not None:
+            self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
+                                     n_drafted=n_drafted, n_accepted=n_accepted, position=routing.position))
+
+    def _plan_step(self, routing: StepRouting, draft_s: float, verify_s: float, t0: float) -> None:
         policy, engine = self.policy, self.engine
-        if self._native_cache:  # the engine's LRU decides at each layer: nothing to plan
-            if self.on_step is not None:
-                self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
-                                         n_drafted=n_drafted, n_accepted=n_accepted, position=routing.position))
-            return
         if self._plan_in_force is not None:
             self.recorder.hot_cold(self._plan_in_force.utility, self._plan_in_force.threshold,
                                    routing.frequency(engine.n_expert))
         if self._observes:
             observe(policy, routing, engine.n_expert)
-        plan = policy.plan(routing, self._resident(), self._feedback(n_drafted, draft_s, verify_s))
+        plan = policy.plan(routing, self._resident(), self._feedback(routing.n_drafted, draft_s, verify_s))
         self._send(plan)
         self._plan_in_force = plan
         self.recorder.plan(plan.threshold, time.perf_counter() - t0)
-        if self.on_step is not None:
-            self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
-                                     n_drafted=n_drafted, n_accepted=n_accepted, position=routing.position))
 
     @property
     def _observes(self) -> bool:
