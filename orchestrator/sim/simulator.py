@@ -148,7 +148,10 @@ class Pool:
             done = earliest
         else:
             self.started_at[layer, expert] = max(earliest, self.link_free_at)
-            done = self.started_at[layer, expert] + self.costs.transfer_s * self.link_slowdown
+            # a copy inside a pass has the device's thread to itself (the pass waits for it); only
+            # a plan's copies share it with passes (link_slowdown)
+            slowdown = 1.0 if in_pass else self.link_slowdown
+            done = self.started_at[layer, expert] + self.costs.transfer_s * slowdown
             self.link_free_at = done
             if in_pass:
                 self.fetch_bytes += self.costs.expert_bytes
