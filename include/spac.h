@@ -58,6 +58,11 @@ struct spac_engine_params {
                                 // (hits touched first, then the misses in ascending ids), and computes
                                 // every routed expert on the pool device. The pool becomes an LRU cache
                                 // (send no plans). 0: off; needs room for the staging slots (logged).
+    int32_t      copy_batch_experts; // a plan's copies go in batches of up to this many experts of one
+                                // layer, queued on the copy worker's own backend of the device (its
+                                // own stream on a GPU) with one synchronize per batch (a staged
+                                // layer's copies too); 1: synchronous copies, each expert's on its
+                                // own (as before patch 0024); <= 0: 8
 };
 
 enum spac_stream_prefill {
@@ -96,6 +101,10 @@ struct spac_engine_stats {
     double   stage_wait_us;          // time the graph waited for them (copies not hidden by compute)
     uint64_t n_copy_calls;           // host -> device copy calls (one per tensor of a run of consecutive
                                      // experts, as a streamed layer's are; a plan's copies one each)
+    uint64_t n_copy_batches;         // a plan's copies: batches (one layer's experts, one synchronize);
+                                     // copy_busy_us / n_copy_batches is the time of one
+    uint64_t n_stage_batches;        // staged layers (streamed prefill, upload on miss): one batch
+                                     // each; stage_copy_us / n_stage_batches is one layer's copy time
 };
 
 struct spac_engine_params spac_engine_default_params(void);

@@ -9,11 +9,13 @@ mode, through llama.cpp's own model saver); each MoE one is then run split and u
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import LLAMA_CPP_TREE, ROOT, compile_native
+from engine_common import rpc_main, run_in_own_process
 from orchestrator.engine.llm import Context, Model
 from orchestrator.engine.native import ExpertEngine
 from orchestrator.engine.pool import StreamPrefill
@@ -106,3 +108,58 @@ def test_streamed_prefill_is_bit_identical_on(arch_models, arch):
     finally:
         ctx.close()
         model.close()
+
+
+def check_batched_copies(device: str, models: Path) -> None:
+    """On the RPC device, every architecture: a plan's copies in batches of one layer's experts
+    queued on the copy worker's own backend (patch 0024's default) leave the same experts resident
+    as synchronous one-by-one copies (copy_batch_experts=1) and give the same logits bit for bit,
+    decodes and a streamed prefill alike."""
+    from engine_common import model_config
+    from orchestrator.modelio.gguf_export import make_random_model
+
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    batched_any = False
+    # the archs' files have 1-2 MoE layers of few experts; a 4-layer, 16-expert one copies more at once
+    files = {arch: models / f"{arch}-moe.gguf" for arch in ARCHS}
+    files["qwen3moe-16x4"] = make_random_model(models / "qwen3moe-16x4.gguf", model_config("qwen3moe"), seed=2, quant="q8_0")
+    for arch, path in files.items():
+        model = Model(path, repack="off")
+        ctx = Context(model, n_ctx=128, n_batch=64, n_threads=2)
+        prompt = np.random.default_rng(1).integers(0, min(model.n_vocab, 200), 40)  # streamed: > 16 tokens
+        try:
+            runs = {}
+            for batch in (1, 8):
+                rng = np.random.default_rng(0)
+                with ExpertEngine(ctx.ptr, path, device=device, budget_ratio=0.6, copy_batch_experts=batch,
+                                  max_split_tokens=16, stream_prefill=StreamPrefill.AHEAD) as engine:
+                    L, E = engine.n_moe_layers, engine.n_expert
+                    out = []
+                    for _ in range(4):
+                        engine.set_plan(Plan(rng.integers(0, 5, (L, E)).astype(np.uint8), rng.integers(1, 5, L).astype(np.int32)))
+                        assert engine.wait_idle(60)
+                        ctx.clear()
+                        ctx.decode(tokens)
+                        out += [engine.residency().copy(), ctx.logits().copy()]
+                        ctx.clear()
+                        ctx.decode(prompt, logits_all=True)
+                        out.append(ctx.logits().copy())
+                    runs[batch] = out, engine.stats()
+            (one, s1), (batched, s8) = runs[1], runs[8]
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(one, batched)), arch
+            assert s1["n_copy_batches"] == s1["n_copies"] > 0, (arch, s1)
+            assert 0 < s8["n_copy_batches"] <= s8["n_copies"] == s1["n_copies"], (arch, s8)
+            assert s8["n_stage_batches"] > 0 and s8["n_staged"] == s1["n_staged"] > 0, (arch, s8)
+            batched_any = batched_any or s8["n_copy_batches"] < s8["n_copies"]
+        finally:
+            ctx.close()
+            model.close()
+    assert batched_any  # some file's pool had room for several experts of a layer at once
+
+
+def test_batched_copies_are_bit_identical_on_rpc(arch_models):
+    run_in_own_process(__file__, arch_models)
+
+
+if __name__ == "__main__":
+    rpc_main(check_batched_copies)

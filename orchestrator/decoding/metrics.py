@@ -55,6 +55,7 @@ class RunMetrics:
     n_evictions: int = 0
     n_prefetch_late: int = 0
     bytes_staged: int = 0         # streamed prefill: experts copied into staging slots
+    copy_layer_ms: float | None = None  # one batch of a layer's copies (a plan's, a staged layer's), mean
     # per pool device: {"device", "n_slots", and this run's bytes_copied, n_copies, n_expert_tokens_device}
     per_device: list[dict] | None = None
     tau_histogram: list[list[int]] | None = None
@@ -207,6 +208,10 @@ class RunRecorder:
                 setattr(m, name, int(engine_stats[name] - self._stats0[name]))
             n_expert_tokens = m.n_expert_tokens_device + m.n_expert_tokens_cpu
             m.device_share = m.n_expert_tokens_device / n_expert_tokens if n_expert_tokens else 0.0
+            delta = lambda k: engine_stats.get(k, 0) - self._stats0.get(k, 0)  # noqa: E731
+            n_batches = delta("n_copy_batches") + delta("n_stage_batches")
+            if n_batches:
+                m.copy_layer_ms = (delta("copy_busy_us") + delta("stage_copy_us")) / n_batches / 1e3
             if "per_device" in engine_stats and "per_device" in self._stats0:
                 m.per_device = [{"device": now["device"], "n_slots": now["n_slots"],
                                  **{k: int(now[k] - then[k]) for k in ("bytes_copied", "n_copies", "n_expert_tokens_device")}}

@@ -44,6 +44,7 @@ class SpacEngineParams(ctypes.Structure):
         ("layer_begin", c_int32),
         ("layer_end", c_int32),
         ("upload_on_miss_tokens", c_int32),
+        ("copy_batch_experts", c_int32),
     ]
 
 
@@ -75,6 +76,8 @@ class SpacEngineStats(ctypes.Structure):
         ("stage_copy_us", c_double),
         ("stage_wait_us", c_double),
         ("n_copy_calls", c_uint64),
+        ("n_copy_batches", c_uint64),
+        ("n_stage_batches", c_uint64),
     ]
 
 
@@ -288,6 +291,9 @@ class ExpertEngine:
     32): ubatches of at most this many tokens upload each layer's chosen non-resident experts into
     the pool's least recently used slots, then compute every routed expert on the device; send no
     plans then (the pool is the cache).
+    copy_batch_experts: a plan's copies go in batches of up to this many experts of one layer, one
+    synchronize per batch on the copy worker's own backend of the device (1: each expert waits
+    for its own copies, as before patch 0024; stats: n_copy_batches, n_stage_batches).
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
@@ -295,7 +301,7 @@ class ExpertEngine:
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
                  skip_absent: bool = False, only_half: str | None = None,
                  stream_prefill: StreamPrefill | str = StreamPrefill.OFF,
-                 layers: tuple[int, int] = (0, 0), upload_on_miss_tokens: int = 0):
+                 layers: tuple[int, int] = (0, 0), upload_on_miss_tokens: int = 0, copy_batch_experts: int = 8):
         self._ctx = _ctx_ptr(ctx)
         self.device = device or "CPU"
         self.layers = layers
@@ -310,6 +316,7 @@ class ExpertEngine:
         p.skip_absent = bool(skip_absent)
         p.layer_begin, p.layer_end = int(layers[0]), int(layers[1])
         p.upload_on_miss_tokens = int(upload_on_miss_tokens)
+        p.copy_batch_experts = int(copy_batch_experts)
         stream = StreamPrefill(stream_prefill)
         if stream not in STREAM_PREFILL:  # AUTO: resolved by the caller, which knows the device
             raise ValueError(f"stream_prefill must be one of {', '.join(STREAM_PREFILL)}, got {stream_prefill!r}")
@@ -420,7 +427,7 @@ class ExpertEngine:
 
 # the stats `SeveralPools.stats()` keeps per device (the totals are summed over the devices)
 _PER_DEVICE = ("bytes_copied", "n_copies", "n_slots", "n_resident", "n_expert_tokens_device", "copy_busy_us",
-               "bytes_staged", "stage_copy_us", "n_copy_calls")
+               "bytes_staged", "stage_copy_us", "n_copy_calls", "n_copy_batches", "n_stage_batches")
 
 
 class SeveralPools:
