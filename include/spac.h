@@ -63,6 +63,12 @@ struct spac_engine_params {
                                 // own stream on a GPU) with one synchronize per batch (a staged
                                 // layer's copies too); 1: synchronous copies, each expert's on its
                                 // own (as before patch 0024); <= 0: 8
+    bool         pin_mapping;   // register the file mapping's expert range as pinned host memory of
+                                // the device (ggml's host-buffer registration; ggml-cuda's asks for
+                                // GGML_CUDA_REGISTER_HOST in the environment): a GPU then copies the
+                                // mapped file at the pinned rate with no second copy of the weights.
+                                // Pins (and so reads in) the whole range; logged when the device
+                                // cannot or refuses; nothing when the model's copy is pinned already
 };
 
 enum spac_stream_prefill {
@@ -105,6 +111,7 @@ struct spac_engine_stats {
                                      // copy_busy_us / n_copy_batches is the time of one
     uint64_t n_stage_batches;        // staged layers (streamed prefill, upload on miss): one batch
                                      // each; stage_copy_us / n_stage_batches is one layer's copy time
+    uint64_t bytes_pinned;           // the file mapping's bytes registered as pinned memory (pin_mapping)
 };
 
 struct spac_engine_params spac_engine_default_params(void);

@@ -101,13 +101,39 @@ def check_device_ids_distinct(rpc_device, tmp_path):
         model.close()
 
 
+def check_pin_mapping_falls_back(rpc_device, tmp_path):
+    """--pin-mapping on a device that cannot register host memory (the RPC backend): nothing is
+    pinned, the stats say so, and the pool computes what it computes without the option."""
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import ExpertEngine
+
+    path = make_random_model(tmp_path / "pin.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
+    model = Model(path, repack="off")
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    try:
+        out = {}
+        for pin in (False, True):
+            with ExpertEngine(ctx.ptr, path, device=rpc_device, budget_ratio=0.5, pin_mapping=pin) as engine:
+                L, E = engine.n_moe_layers, engine.n_expert
+                engine.set_plan(Plan(np.random.default_rng(1).integers(0, 5, (L, E)).astype(np.uint8), np.full(L, 2, np.int32)))
+                assert engine.wait_idle(60)
+                out[pin] = run_sequence(ctx)
+                assert engine.stats()["bytes_pinned"] == 0
+        assert out[True].tobytes() == out[False].tobytes()
+    finally:
+        ctx.close()
+        model.close()
+
+
 def check_on_rpc_device(rpc_device, tmp_path):
     check_pool_on_rpc_device(rpc_device, tmp_path)
     check_device_ids_distinct(rpc_device, tmp_path)
+    check_pin_mapping_falls_back(rpc_device, tmp_path)
 
 
 def test_pool_on_rpc_device_matches_feature_off(tmp_path):
-    """Also: every token's device ids are distinct (check_device_ids_distinct)."""
+    """Also: every token's device ids are distinct (check_device_ids_distinct); --pin-mapping
+    falls back on a device that cannot pin (check_pin_mapping_falls_back)."""
     run_in_own_process(__file__, tmp_path)
 
 

@@ -96,6 +96,9 @@ def _describe(session, setup) -> str:
     if session.engine is not None:
         st = session.engine.stats()
         parts.append(f"{st['n_slots']} slots")
+        if session.cfg.pin_mapping:
+            parts.append(f"{st['bytes_pinned'] / 1e9:.1f} GB of the mapping pinned" if st["bytes_pinned"] else
+                         "--pin-mapping: the pool's device cannot pin the mapped file (copies read pageable memory)")
     elif session.engine_note and not setup.pool_off_reason:
         parts.append(session.engine_note)
     if session.cfg.ablations.names():

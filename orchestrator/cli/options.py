@@ -182,6 +182,10 @@ OPTIONS: dict[str, _Opt] = {
         "memory: with a GPU into its pinned host buffers, which the expert pool and op offload copy from several "
         "times faster (H100: 55 against 6.3 GB/s); without a GPU it only costs the plain-layout prompt kernels "
         "of repacked types (they read the mapping)")),
+    "pin_mapping": _Opt("model", bool, False, typer.Option(
+        "--pin-mapping", help="register the mapped file's experts as the pool GPU's pinned host memory, so that the pool "
+        "copies them at the pinned rate without --no-mmap's second copy of the weights; reads in and pins that "
+        "whole range at load (off by default: not yet measured on a GPU); said in the log where the device cannot")),
     "recalibrate": _Opt("model", bool, False, typer.Option("--recalibrate", help="measure the unit costs again")),
     "verbose": _Opt("model", bool, False, typer.Option("--verbose", help="llama.cpp logs")),
     "temp": _Opt("sampling", float, 0.8, typer.Option("--temp", help="temperature, 0 = greedy")),
@@ -216,6 +220,7 @@ class RunOptions:
     exact: bool = True
     check_tensors: bool = False
     mmap: bool = True
+    pin_mapping: bool = False
     recalibrate: bool = False
     verbose: bool = False
     temp: float = 0.8
@@ -287,7 +292,7 @@ class RunOptions:
                 fail(f"{flag} is empty")
         return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
                    stream_prefill=stream, exact=v["exact"],
-                   check_tensors=v["check_tensors"], mmap=v["mmap"], recalibrate=v["recalibrate"], verbose=v["verbose"],
+                   check_tensors=v["check_tensors"], mmap=v["mmap"], pin_mapping=v["pin_mapping"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,
                    stop=tuple(v["stop"] or ()), ablations=tuple(n for n in OPTIONS if n.startswith("no_") and v[n]))
 

@@ -177,7 +177,7 @@ def session_setup(opts: RunOptions) -> Setup:
                         tensor_split=p.tensor_split,
                         ablations=opts.ablation_switches(),
                         recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
-                        mmap=opts.mmap, exact=opts.exact)
+                        mmap=opts.mmap, pin_mapping=opts.pin_mapping, exact=opts.exact)
     return Setup(cfg, notes, off, p.state_bytes)
 
 

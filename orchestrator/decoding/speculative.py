@@ -95,6 +95,7 @@ class SessionConfig:
     n_gpu_layers_draft: int = 0
     repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.engine.host_layout)
     mmap: bool = True  # False: llama.cpp's --no-mmap (a GPU's pinned host buffers: faster pool copies)
+    pin_mapping: bool = False  # the mapped file's experts registered as the pool device's pinned memory
     engine: bool | None = None   # None: on when the native engine is built, else off
     # the pool's devices with their budgets: "CPU" (the test device, a second host buffer) or ggml
     # names; several: llama.cpp's layer split puts a range of layers on each, and each pool holds
@@ -244,7 +245,8 @@ class Session:
         self._native_cache = bool(self.policy.readback_max_tokens) and not getattr(self.policy, "per_layer", False)
         try:
             engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill,
-                               upload_on_miss_tokens=self.policy.readback_max_tokens if self._native_cache else 0)
+                               upload_on_miss_tokens=self.policy.readback_max_tokens if self._native_cache else 0,
+                               pin_mapping=cfg.pin_mapping)
             if len(cfg.pool) > 1:  # one pool per device, on the layers llama.cpp placed there
                 n = self.target.n_layer
                 layers = pool_layer_ranges(model_layer_devices(self.target.ptr, n), [d.name for d in cfg.pool],
