@@ -3,8 +3,11 @@
 #
 #   bench/gpu_checks.sh correct  OUT_DIR   # lossless + tolerance checks with the pool on CUDA0
 #   bench/gpu_checks.sh truth    OUT_DIR   # bench_sim_truth.py on CUDA0: predicted vs measured tok/s
+#                                          # (static, spac and llama.cpp's cache, live in spac's engine)
 #   bench/gpu_checks.sh peer     OUT_DIR   # llama.cpp -ngl 99 --n-cpu-moe on the same target
 #   bench/gpu_checks.sh prefill  OUT_DIR   # streamed prefill against llama.cpp's op offload (issue 23)
+#   bench/gpu_checks.sh copies   OUT_DIR   # the pool's copy rate: per expert / per layer batch,
+#                                          # pageable / registered (--pin-mapping) / pinned (--no-mmap)
 #
 # Needs: spac importable by `python3` (a CUDA build, scripts/install.sh --cuda), the device SPAC_DEVICE
 # names (default CUDA0),
@@ -13,7 +16,7 @@
 # the target as --no-mmap in truth and peer (llama.cpp too: -mmp 0, --no-mmap). Every stage
 # prints the GPU and the CPU's flags first, and writes its logs and JSON under OUT_DIR.
 set -euo pipefail
-stage=${1:?stage: correct, truth, peer or prefill}
+stage=${1:?stage: correct, truth, peer, prefill or copies}
 out=${2:?output directory}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -73,6 +76,7 @@ EOF
 truth)
     make_target
     PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap --repeats ${SPAC_TRUTH_REPEATS:-3} $no_mmap \
+        --policies ${SPAC_TRUTH_POLICIES:-static,spac,llama-moe-cache} \
         --json "$out/sim-truth.json" --keep "$out/sim-truth-keep" 2>&1 | tee "$out/sim-truth.log"
     tar -C "$out" -czf "$out/sim-truth-keep.tgz" sim-truth-keep && rm -r "$out/sim-truth-keep"
     ;;
@@ -122,6 +126,10 @@ prefill)
         --n-layer ${SPAC_PREFILL_LAYERS:-8} --tokens 512,2048 --repeats ${SPAC_PREFILL_REPEATS:-5} --json "$out/stream-prefill.json" 2>&1 \
         | tee "$out/stream-prefill.log"
     ;;
+copies)
+    make_target
+    PYTHONUNBUFFERED=1 "$py" bench/bench_copies.py -m "$target" --device "$device" -t "$threads" 2>&1 | tee "$out/copies.log"
+    ;;
 *)
-    echo "unknown stage $stage (correct, truth, peer, prefill)" >&2; exit 2 ;;
+    echo "unknown stage $stage (correct, truth, peer, prefill, copies)" >&2; exit 2 ;;
 esac

@@ -58,6 +58,8 @@ SPLIT_GRAPHS = {"overlap": 0, "per-matmul": 1}
 STREAM_PREFILL = {StreamPrefill.OFF: 0, StreamPrefill.AHEAD: 1, StreamPrefill.USED: 2}
 # where the halves meet (enum spac_join): "auto" = per expert on a CPU pool, partial sums on a device
 JOINS = {"auto": 0, "per-expert": 1, "partial-sums": 2}
+# a plan's copies per batch where the device queues copies without copying them again (patch 0024)
+COPY_BATCH_EXPERTS = 8
 # benchmarks only: time one half of every split layer alone (the outputs are then wrong)
 ONLY_HALF = {None: 0, "device": 1, "host": 2}
 
@@ -296,7 +298,9 @@ class ExpertEngine:
     plans then (the pool is the cache).
     copy_batch_experts: a plan's copies go in batches of up to this many experts of one layer, one
     synchronize per batch on the copy worker's own backend of the device (1: each expert waits
-    for its own copies, as before patch 0024; stats: n_copy_batches, n_stage_batches).
+    for its own copies, as before patch 0024; stats: n_copy_batches, n_stage_batches). None: 8,
+    but 1 on an RPC device, whose asynchronous set copies the bytes once more before sending them
+    (bench/bench_copies.py on the 2-core stand-in: 1.76-1.93 GB/s batched against 2.05 one by one).
     pin_mapping: register the file mapping's expert range as the device's pinned host memory
     (patch 0025; ggml-cuda registers only with GGML_CUDA_REGISTER_HOST set, which this sets): a
     GPU then copies mapped experts at the pinned rate. Logged where the device cannot.
@@ -307,7 +311,7 @@ class ExpertEngine:
                  copy_delay_us: int = 0, split_graph: str = "overlap", join: str = "auto",
                  skip_absent: bool = False, only_half: str | None = None,
                  stream_prefill: StreamPrefill | str = StreamPrefill.OFF,
-                 layers: tuple[int, int] = (0, 0), upload_on_miss_tokens: int = 0, copy_batch_experts: int = 8,
+                 layers: tuple[int, int] = (0, 0), upload_on_miss_tokens: int = 0, copy_batch_experts: int | None = None,
                  pin_mapping: bool = False):
         self._ctx = _ctx_ptr(ctx)
         self.device = device or "CPU"
@@ -323,6 +327,8 @@ class ExpertEngine:
         p.skip_absent = bool(skip_absent)
         p.layer_begin, p.layer_end = int(layers[0]), int(layers[1])
         p.upload_on_miss_tokens = int(upload_on_miss_tokens)
+        if copy_batch_experts is None:
+            copy_batch_experts = 1 if self.device.startswith("RPC") else COPY_BATCH_EXPERTS
         p.copy_batch_experts = int(copy_batch_experts)
         p.pin_mapping = bool(pin_mapping)
         if pin_mapping:
