@@ -155,6 +155,10 @@ def test_expert_budget_strict(budget):
     assert_usage_error(spac("generate", "x", *FAST, f"--expert-budget={budget}", "--device", "CPU"), "--expert-budget")
 
 
+def test_pin_mapping_needs_a_mapping():
+    assert_usage_error(spac("generate", "x", *FAST, "--pin-mapping", "--no-mmap"), "--pin-mapping", "--no-mmap")
+
+
 @pytest.mark.skipif(not engine_built(), reason="native engine not built")
 def test_expert_budget_beyond_the_model_says_so():
     res = spac("generate", "x", *FAST, "--expert-budget", "999GiB", "--device", "CPU")

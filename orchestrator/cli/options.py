@@ -248,6 +248,8 @@ class RunOptions:
                 fail(f"--draft must be pool, mtp or none (or -md FILE for a draft model), got {v['draft']!r}")
             if v["draft"] in ("pool", "mtp") and v["model_draft"] is not None:
                 fail(f"--draft {v['draft']} and -md/--model-draft are exclusive: the {v['draft']} draft is the target's own")
+        if v["pin_mapping"] and not v["mmap"]:
+            fail("--pin-mapping pins the mapped file, and --no-mmap maps none (with a GPU its copy is pinned already)")
         v["repack"] = str(v["repack"]).strip().lower()
         if v["repack"] not in ("auto", "on", "off"):
             fail(f"--repack must be auto, on or off, got {v['repack']!r}")
