@@ -42,7 +42,12 @@ correct)
     # greedy tokens (a difference is reported and the stage goes on, failing at the end)
     prompt=$'class Stack:\n    def __init__(self):'
     failed=0
-    for model in orchestrator/models/spac-tiny-moe-f16.gguf orchestrator/models/spac-tiny-moe-q4_0.gguf; do
+    # a K-quant target too (random weights, Q4_K_M through llama.cpp's quantizer): the type whose
+    # verify and decode kernels differ most (issue 37)
+    kquant=${SPAC_KQUANT_TARGET:-/tmp/spac-kq/qwen3moe-q4_k_m.gguf}
+    [ -e "$kquant" ] || { mkdir -p "$(dirname "$kquant")"; "$py" scripts/make_random_moe.py "$kquant" --n-embd 256 \
+        --n-layer 4 --n-expert 32 --n-expert-used 4 --n-ff-exp 256 --quant q4_k_m > /dev/null; }
+    for model in orchestrator/models/spac-tiny-moe-f16.gguf orchestrator/models/spac-tiny-moe-q4_0.gguf "$kquant"; do
         name=$(basename "$model" .gguf)
         for budget in 25% 50%; do
             spac generate "$prompt" -m "$model" -n 64 --temp 0 --json --device "$device" --expert-budget $budget \
