@@ -269,7 +269,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
                     s1 = bench.engine.stats()
                     # the last fill's rate: by then the host half has read every used expert, so
                     # the mapping's pages are faulted in, as in a running decode (a first fill also
-                    # pays a page fault per 4 KiB: 1.65 against 2.54 GB/s on the RPC stand-in)
+                    # pays a page fault per 4 KiB: 1.65 GB/s against 1.95-2.54 warm on the RPC stand-in)
                     if s1["bytes_copied"] > s0["bytes_copied"]:
                         busy = (s1["copy_busy_us"] - s0["copy_busy_us"]) * 1e-6 or (time.perf_counter() - t0)
                         check["copy_bytes_per_s"] = (s1["bytes_copied"] - s0["bytes_copied"]) / busy
