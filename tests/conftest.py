@@ -29,6 +29,21 @@ def llama_lib_dir() -> Path:
     return Path(spec.submodule_search_locations[0]) / "lib"
 
 
+def _build_id(library: Path) -> str:
+    out = subprocess.run(["readelf", "-n", str(library)], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Build ID" in line), "")
+
+
+def llama_common_dir() -> Path | None:
+    """bin/ of the build that made the installed libllama (the same ELF build id), where llama.cpp's
+    common library is; else the newest build's, None without one. Not simply the newest: that may
+    be a sanitizer build (scripts/sanitize.sh), whose libraries need its runtime preloaded."""
+    builds = sorted(ROOT.glob("vendor/build/*/bin/libllama-common.so.0"), key=lambda p: p.stat().st_mtime)
+    installed = _build_id(llama_lib_dir() / "libllama.so")
+    same = [p for p in builds if installed and _build_id(p.parent / "libllama.so") == installed]
+    return (same or builds)[-1].parent if builds else None
+
+
 def compile_native(sources: list[Path], name: str, cxx: bool = False, libs=("ggml", "ggml-base", "ggml-cpu"),
                    extra=()) -> Path:
     """Compile a test program against the installed patched libraries; cached by content."""

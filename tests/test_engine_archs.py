@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import LLAMA_CPP_TREE, ROOT, compile_native
+from conftest import LLAMA_CPP_TREE, compile_native, llama_common_dir
 from engine_common import rpc_main, run_in_own_process
 from orchestrator.engine.llm import Context, Model
 from orchestrator.engine.native import ExpertEngine
@@ -26,11 +26,10 @@ ARCHS = ["olmoe", "llama", "deepseek2", "gpt-oss", "qwen3moe", "qwen2moe"]
 
 def build_arch_writer():
     """test-llama-archs, compiled against the installed libllama and the build's common lib."""
-    common = sorted(ROOT.glob("vendor/build/*/bin/libllama-common.so.0"), key=lambda p: p.stat().st_mtime)
-    if not common:
+    bin_dir = llama_common_dir()
+    if bin_dir is None:
         pytest.skip("llama.cpp's common library is not in vendor/build (run scripts/build_native.py)")
     src = LLAMA_CPP_TREE / "tests" / "test-llama-archs.cpp"
-    bin_dir = common[-1].parent
     extra = [f"-I{LLAMA_CPP_TREE / 'common'}", f"-I{LLAMA_CPP_TREE / 'src'}", f"-L{bin_dir}", "-lllama-common",
              f"-Wl,-rpath,{bin_dir}"]
     return compile_native([src], "test-llama-archs", cxx=True, libs=("llama", "ggml", "ggml-base", "ggml-cpu"),

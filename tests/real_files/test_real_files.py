@@ -36,7 +36,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from conftest import LLAMA_CPP_TREE, ROOT, compile_native
+from conftest import LLAMA_CPP_TREE, compile_native, llama_common_dir
 
 import make_real_files as mrf  # noqa: E402  (scripts/, on pytest's pythonpath)
 from build_native import stock_program  # noqa: E402
@@ -283,9 +283,8 @@ CONVERSATION = [
 def render_tool():
     """A small program over llama.cpp's common chat code (what llama-server and llama-cli call:
     common_chat_templates_init/apply with their defaults), linked to the build's common lib."""
-    common = sorted(ROOT.glob("vendor/build/*/bin/libllama-common.so.0"), key=lambda p: p.stat().st_mtime)
-    assert common, "llama.cpp's common library is not in vendor/build (run scripts/build_native.py)"
-    bin_dir = common[-1].parent
+    bin_dir = llama_common_dir()
+    assert bin_dir is not None, "llama.cpp's common library is not in vendor/build (run scripts/build_native.py)"
     extra = [f"-I{LLAMA_CPP_TREE / 'common'}", f"-L{bin_dir}", "-lllama-common", f"-Wl,-rpath,{bin_dir}"]
     return compile_native([RENDER_SRC], "render-chat", cxx=True, libs=("llama", "ggml", "ggml-base"), extra=extra)
 
