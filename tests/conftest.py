@@ -30,7 +30,11 @@ def llama_lib_dir() -> Path:
 
 
 def _build_id(library: Path) -> str:
-    out = subprocess.run(["readelf", "-n", str(library)], capture_output=True, text=True).stdout
+    """The ELF build id (binutils' readelf), "" where there is none or no readelf."""
+    try:
+        out = subprocess.run(["readelf", "-n", str(library)], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
     return next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Build ID" in line), "")
 
 
