@@ -157,7 +157,8 @@ OPTIONS: dict[str, _Opt] = {
     "repack": _Opt("model", str, "auto", typer.Option(
         "--repack", help="host weights' layout: auto (per tensor type, measured on this CPU: llama.cpp's repacked "
         "kernels where they decode faster, the file's plain layout for prompts where that is faster; the experts "
-        "of a GPU run stay plain), on (llama.cpp's default: repack every weight it can), off (the file's layout)")),
+        "of a GPU run stay plain), on (every weight llama.cpp can repack; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on "
+        "the CPU), off (the file's layout)")),
     "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
     "ubatch_size": _Opt("model", int, 512, typer.Option(
         "-ub", "--ubatch-size", help="tokens per prompt-processing pass (llama.cpp's -b and -ub at once); a streamed "

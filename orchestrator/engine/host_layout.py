@@ -325,6 +325,10 @@ class DenseChoice:
 class HostLayout:
     mode: str                                   # auto | on | off
     use_extra_bufts: bool                       # llama.cpp's own choice (mode "on")
+    # mode "on" with layers on a GPU: llama.cpp lists the GPU's pinned host buffer type before its
+    # repacked one, and a mapped file then turns that choice into plain CPU_Mapped; skipping the
+    # host type (llama.cpp's --no-host) lets every weight it can repack be repacked
+    no_host: bool = False
     repacked: list[str] = field(default_factory=list)   # tensor names given CPU_REPACK (mode "auto")
     types: dict[str, TypeChoice] = field(default_factory=dict)
     dense: dict[str, DenseChoice] = field(default_factory=dict)
@@ -476,7 +480,7 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     if mode not in REPACK_MODES:
         raise ValueError(f"--repack must be one of {', '.join(REPACK_MODES)}, not {mode!r}")
     if mode != "auto":
-        return HostLayout(mode, use_extra_bufts=mode == "on")
+        return HostLayout(mode, use_extra_bufts=mode == "on", no_host=mode == "on")
     import gguf
 
     bufts = cpu_buffer_types()

@@ -151,6 +151,7 @@ class Model:
             self._split = (ctypes.c_float * L.llama_max_devices())(*tensor_split)
             params.tensor_split = self._split
         params.use_extra_bufts = self.layout.use_extra_bufts
+        params.no_host = self.layout.no_host
         params.check_tensors = check_tensors
         params.load_mtp = mtp
         if not mmap:
