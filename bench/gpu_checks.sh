@@ -6,11 +6,12 @@
 #                                          # (static, spac and llama.cpp's cache, live in spac's engine)
 #   bench/gpu_checks.sh peer     OUT_DIR   # llama.cpp -ngl 99 --n-cpu-moe on the same target
 #   bench/gpu_checks.sh prefill  OUT_DIR   # streamed prefill against llama.cpp's op offload (issue 23)
+#                                          # and a 4,096-token prompt under -ub auto against -ub 512
 #   bench/gpu_checks.sh copies   OUT_DIR   # the pool's copy rate: per expert / per layer batch,
 #                                          # pageable / registered (--pin-mapping) / pinned (--no-mmap)
 #
 # Needs: spac importable by `python3` (a CUDA build, scripts/install.sh --cuda), the device SPAC_DEVICE
-# names (default CUDA0),
+# names (default CUDA0; rpc: the stand-in, every stage but peer),
 # and for `peer` LLAMA_BENCH naming a CUDA build of llama-bench. SPAC_THREADS sets the host
 # threads (default: half the cores, llama.cpp's usual choice on SMT machines); SPAC_NO_MMAP=1 loads
 # the target as --no-mmap in truth and peer (llama.cpp too: -mmp 0, --no-mmap). Every stage
@@ -24,7 +25,19 @@ py=${PYTHON:-python3}
 device=${SPAC_DEVICE:-CUDA0}
 no_mmap=${SPAC_NO_MMAP:+--no-mmap}
 threads=${SPAC_THREADS:-$(( $(nproc) / 2 ))}
-spac() { "$py" -m orchestrator.cli "$@"; }
+# SPAC_DEVICE=rpc: every stage but peer on the stand-in device, to try the script without a GPU
+# (an RPC server on 127.0.0.1 with one thread for spac's commands; the benchmarks start their own)
+bench_device=$device rpc_args=() test_device=$device
+if [ "$device" = rpc ]; then
+    port=$(( 20000 + RANDOM % 20000 ))
+    "$py" -m orchestrator.engine.rpc 127.0.0.1:$port 1 CPU > "$out/rpc-server.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2> /dev/null' EXIT
+    for _ in $(seq 100); do grep -q ready "$out/rpc-server.log" && break; sleep 0.1; done
+    grep -q ready "$out/rpc-server.log" || { echo "the RPC server did not start" >&2; exit 1; }
+    device=RPC0 rpc_args=(--rpc 127.0.0.1:$port) test_device=
+fi
+spac() { "$py" -m orchestrator.cli "$@" ${rpc_args[@]+"${rpc_args[@]}"}; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) x $(nproc)"
@@ -73,19 +86,20 @@ EOF
     done
     # 2. the engine tests that take a second device, with this device as that device
     #    (the streamed prefill's too: events and the copy worker's own stream on a real GPU)
-    SPAC_TEST_DEVICE=$device "$py" -m pytest -q -p no:cacheprovider tests/test_engine_rpc.py tests/test_pool_draft.py \
+    SPAC_TEST_DEVICE=$test_device "$py" -m pytest -q -p no:cacheprovider tests/test_engine_rpc.py tests/test_pool_draft.py \
         tests/test_host_layout.py tests/test_stream_prefill.py -k "rpc_device or gpu_run" 2>&1 \
         | tee "$out/pytest-device.log" || failed=1
     exit $failed
     ;;
 truth)
     make_target
-    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$device" -t "$threads" --no-overlap --repeats ${SPAC_TRUTH_REPEATS:-3} $no_mmap \
+    PYTHONUNBUFFERED=1 "$py" bench/bench_sim_truth.py -m "$target" --device "$bench_device" -t "$threads" --no-overlap --repeats ${SPAC_TRUTH_REPEATS:-3} $no_mmap \
         --policies ${SPAC_TRUTH_POLICIES:-static,spac,llama-moe-cache} \
         --json "$out/sim-truth.json" --keep "$out/sim-truth-keep" 2>&1 | tee "$out/sim-truth.log"
     tar -C "$out" -czf "$out/sim-truth-keep.tgz" sim-truth-keep && rm -r "$out/sim-truth-keep"
     ;;
 peer)
+    [ "$bench_device" = rpc ] && { echo "peer: llama.cpp's CUDA programs, a GPU stage"; exit 0; }
     make_target
     : "${LLAMA_BENCH:?LLAMA_BENCH must name a CUDA build of llama-bench}"
     # the target has 16 MoE layers: --n-cpu-moe 12 / 8 leave 25% / 50% of the experts on the GPU
@@ -127,13 +141,26 @@ EOF
 prefill)
     # a Qwen3-30B-A3B-shaped prompt through the pool (25%) against llama.cpp's -ngl 99 --cpu-moe
     # with and without op offload, and every expert resident (the GPU's compute alone)
-    PYTHONUNBUFFERED=1 "$py" bench/bench_stream_prefill.py --device "$device" -t "$threads" --preset qwen3-30b-a3b \
+    PYTHONUNBUFFERED=1 "$py" bench/bench_stream_prefill.py --device "$bench_device" -t "$threads" --preset qwen3-30b-a3b \
         --n-layer ${SPAC_PREFILL_LAYERS:-8} --tokens 512,2048 --repeats ${SPAC_PREFILL_REPEATS:-5} --json "$out/stream-prefill.json" 2>&1 \
         | tee "$out/stream-prefill.log"
+    # the prompt's pass under -ub auto against llama.cpp's 512: a 4,096-token prompt through a 25%
+    # pool of a Qwen3-30B-A3B-shaped file, time to the first token (prefill_s), streamed both ways
+    synth=${SPAC_UB_TARGET:-/tmp/spac-ub/qwen3-30b-a3b-${SPAC_PREFILL_LAYERS:-8}l.gguf}
+    [ -e "$synth" ] || { mkdir -p "$(dirname "$synth")"; "$py" scripts/make_synthetic_moe.py qwen3-30b-a3b "$synth" \
+        --n-layer ${SPAC_PREFILL_LAYERS:-8} > /dev/null; }
+    "$py" -c "import random; random.seed(1); print(' '.join(random.choice(['def', 'class', 'return', 'x', 'y', '(', ')', ':', '=', '+']) for _ in range(4000)))" \
+        > "$out/ub-prompt.txt"
+    for ub in auto 512; do
+        spac generate - -m "$synth" -n 1 --temp 0 --json --device "$device" --expert-budget 25% --draft none -c 8192 \
+            -ub $ub -t "$threads" < "$out/ub-prompt.txt" > "$out/ub-$ub.json" || exit 1
+        "$py" -c "import json, sys; r = json.load(open(sys.argv[1])); print(f\"-ub {sys.argv[2]}: passes of {r['n_ubatch']} tokens, prefill {r['prefill_s']:.2f} s ({r['n_prompt_tokens']} tokens)\")" \
+            "$out/ub-$ub.json" $ub
+    done
     ;;
 copies)
     make_target
-    PYTHONUNBUFFERED=1 "$py" bench/bench_copies.py -m "$target" --device "$device" -t "$threads" 2>&1 | tee "$out/copies.log"
+    PYTHONUNBUFFERED=1 "$py" bench/bench_copies.py -m "$target" --device "$bench_device" -t "$threads" 2>&1 | tee "$out/copies.log"
     ;;
 *)
     echo "unknown stage $stage (correct, truth, peer, prefill, copies)" >&2; exit 2 ;;

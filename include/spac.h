@@ -171,6 +171,9 @@ void    spac_routing_enable      (struct llama_context * ctx, bool enable);
 // (changes of backend from one compute node to the next, in graph order)
 int32_t spac_graph_n_splits   (struct llama_context * ctx);
 int32_t spac_graph_n_crossings(struct llama_context * ctx);
+// the same crossings named, "node (backend) -> node (backend)" separated by "; ", written into
+// buf (truncated to size, NUL-terminated); returns the number of crossings
+int32_t spac_graph_crossings_text(struct llama_context * ctx, char * buf, size_t size);
 
 int32_t spac_routing_n_moe_layers(const struct llama_context * ctx);
 

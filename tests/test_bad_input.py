@@ -177,6 +177,12 @@ def test_threads_zero_or_negative_mean_the_default(threads):
     assert last_json(res)["n_threads"] >= 1
 
 
+def test_ubatch_auto_or_a_number():
+    """-ub auto (the default) is llama.cpp's 512 without a streamed prefill; a number is kept."""
+    assert last_json(spac("generate", "x", *FAST, "--json"))["n_ubatch"] == 512
+    assert last_json(spac("generate", "x", *FAST, "-ub", "64", "--json"))["n_ubatch"] == 64
+
+
 def test_n_predict_minus_one_is_no_limit():
     res = spac("generate", "x", "-t", "1", "-n", "-1", "-c", "48", "--temp", "0", "--json")
     out = last_json(res)
@@ -193,7 +199,8 @@ def test_draft_max_zero_means_no_draft_and_upstream_name_accepted():
 
 
 @pytest.mark.parametrize("flag,value", [("--temp", "nan"), ("--temp", "inf"), ("--top-p", "nan"), ("-c", "-1"),
-                                        ("-ngl", "lots"), ("-ub", "0"), ("--stream-prefill", "sideways")])
+                                        ("-ngl", "lots"), ("-ub", "0"), ("-ub", "lots"),
+                                        ("--stream-prefill", "sideways")])
 def test_nonsense_numbers(flag, value):
     assert_usage_error(spac("generate", "x", *FAST, flag, value), flag)
 

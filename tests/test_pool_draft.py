@@ -163,7 +163,11 @@ def everything_resident(path, device: str | None, check) -> None:
     draft attached: check(ctx, dctx, engine, tokens, reference logits of the target)."""
     model = Model(path, repack="off")
     ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
-    dctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    # the layers stay on the host here, and llama.cpp's op offload would move any op that reads a
+    # host weight and has 32 rows to a GPU (ggml-cuda counts rows, not tokens): Qwen3's per-head
+    # q-norm multiply on these 8 tokens x 4 heads is 32 rows, so on CUDA each layer gained a
+    # round trip (16 crossings for 4 layers) that the RPC device, which never offloads, cannot show
+    dctx = Context(model, n_ctx=64, n_batch=16, n_threads=2, op_offload=False)
     tokens = [5, 17, 42, 99, 7, 250, 31, 64]
     try:
         ctx.decode(tokens, logits_all=True)
@@ -229,13 +233,16 @@ def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:
     backend of that device; everything resident, it computes what the target computes."""
     from engine_common import model_config
     from orchestrator.modelio.gguf_export import make_random_model
-    from orchestrator.engine.native import graph_n_crossings
+    from orchestrator.engine.native import graph_crossings, graph_n_crossings
 
     def check(ctx, dctx, engine, tokens, reference):
         np.testing.assert_allclose(dctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
         # the experts ran on the device, and no host half: one crossing there and back per MoE layer at most
+        # (the message names the nodes where the backend changes)
         n = graph_n_crossings(dctx.ptr)
-        assert 0 < n <= 2 * engine.n_moe_layers, (n, engine.n_moe_layers)
+        named = graph_crossings(dctx.ptr)
+        assert len(named) == n
+        assert 0 < n <= 2 * engine.n_moe_layers, (n, engine.n_moe_layers, named)
 
     path = make_random_model(tmp / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
     everything_resident(path, device, check)

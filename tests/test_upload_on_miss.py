@@ -62,12 +62,13 @@ def test_every_routed_expert_runs_on_the_device_and_the_logits_are_unchanged(mod
 
 def test_the_pool_keeps_what_was_used(models):
     """A second pass over the same tokens finds every expert it routes to resident: nothing more
-    uploaded, nothing evicted (the pool holds every expert at this budget)."""
+    uploaded, nothing evicted (3 tokens route to at most 48 of the 60 slots of 15/16 of the experts;
+    a pool of every expert is filled at load instead, below)."""
     model = Model(models["f32"], repack="off")
     ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
     try:
-        with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=1.0, upload_on_miss_tokens=CACHE_TOKENS) as engine:
-            tokens = list(range(40, 52))
+        with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=15 / 16, upload_on_miss_tokens=CACHE_TOKENS) as engine:
+            tokens = [40, 41, 42]
             ctx.decode(tokens)
             first = engine.stats()
             ctx.clear()
@@ -77,6 +78,33 @@ def test_the_pool_keeps_what_was_used(models):
             assert second["n_staged"] == first["n_staged"] and second["n_evictions"] == 0
             resident = engine.residency() >= 0
             assert resident.sum() == first["n_staged"]  # exactly the experts it uploaded
+    finally:
+        ctx.close()
+        model.close()
+
+
+@pytest.mark.parametrize("stream", ["off", "ahead"])
+def test_a_pool_of_every_expert_is_filled_at_load_and_never_stages(models, stream):
+    """A slot for every expert: the pool is full before the first pass (one batch of copies per
+    layer), has no staging slots, and neither llama.cpp's cache (≤ 32 tokens) nor a streamed
+    prefill (a 40-token prompt) stages anything; the logits are the target's, bit for bit."""
+    model = Model(models["f32"], repack="off")
+    ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
+    runs = RUNS + [list(range(60, 100))]
+    try:
+        want = passes(ctx, runs)
+        with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=1.0, upload_on_miss_tokens=CACHE_TOKENS,
+                          stream_prefill=stream, max_split_tokens=16) as engine:
+            L, E = engine.n_moe_layers, engine.n_expert
+            assert (engine.residency() >= 0).all()
+            s = engine.stats()
+            assert s["n_copies"] == L * E and s["n_copy_batches"] == L and s["n_slots"] == L * E
+            got = passes(ctx, runs)
+            s = engine.stats()
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+            assert s["n_staged"] == 0 and s["n_evictions"] == 0 and s["n_copies"] == L * E
+            assert s["n_expert_tokens_cpu"] == 0 and s["n_expert_tokens_device"] > 0
     finally:
         ctx.close()
         model.close()

@@ -120,6 +120,7 @@ def _run_info(session, setup, opts: RunOptions) -> dict:
             "budget_bytes": session.cfg.pool[0].budget.nbytes, "budget_ratio": session.cfg.pool[0].budget.ratio,
             "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,
             "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers, "n_threads": session.cfg.n_threads,
+            "n_ubatch": session.cfg.n_batch,
             "host_layout": session.target.layout.to_dict(), "host_layout_summary": session.target.layout_report(),
             "draft_host_layout_summary": session.draft.layout_report() if session.draft not in (None, session.target) else None}
 

@@ -160,9 +160,10 @@ OPTIONS: dict[str, _Opt] = {
         "of a GPU run stay plain), on (every weight llama.cpp can repack; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on "
         "the CPU), off (the file's layout)")),
     "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
-    "ubatch_size": _Opt("model", int, 512, typer.Option(
-        "-ub", "--ubatch-size", help="tokens per prompt-processing pass (llama.cpp's -b and -ub at once); a streamed "
-        "prefill copies each non-resident expert once per pass, so larger passes copy less (spac sim prefill)")),
+    "ubatch_size": _Opt("model", str, "auto", typer.Option(
+        "-ub", "--ubatch-size", help="tokens per prompt-processing pass (llama.cpp's -b and -ub at once), or auto: "
+        "llama.cpp's 512, longer with a streamed prefill, which copies each non-resident expert once per pass, as far "
+        "as the pass's compute buffer fits (the run header says the choice; spac sim prefill)")),
     "engine": _Opt("model", Optional[bool], None, typer.Option(
         "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
         show_default=False)),
@@ -215,7 +216,7 @@ class RunOptions:
     threads: int = _DEFAULT_THREADS
     repack: str = "auto"         # auto | on | off (orchestrator.engine.host_layout)
     ctx_size: int = 0
-    ubatch_size: int = 512
+    ubatch_size: int = 0         # 0: auto (the placement's choice, orchestrator.engine.ubatch)
     engine: bool | None = None
     stream_prefill: StreamPrefill = StreamPrefill.AUTO
     exact: bool = True
@@ -258,8 +259,13 @@ class RunOptions:
             stream = StreamPrefill(str(v["stream_prefill"]).strip().lower())
         except ValueError:
             fail(f"--stream-prefill must be auto, ahead, used or off, got {v['stream_prefill']!r}")
-        if v["ubatch_size"] < 1:
-            fail(f"-ub/--ubatch-size must be >= 1, got {v['ubatch_size']}")
+        ub = str(v["ubatch_size"]).strip().lower()
+        if ub == "auto":
+            ubatch = 0
+        elif ub.isdigit() and int(ub) >= 1:
+            ubatch = int(ub)
+        else:
+            fail(f"-ub/--ubatch-size must be auto or a number >= 1, got {v['ubatch_size']!r}")
         if v["ctx_size"] < 0:
             fail(f"-c/--ctx-size must be >= 0 (0: the model's), got {v['ctx_size']}")
         if v["top_k"] < 0:
@@ -293,7 +299,7 @@ class RunOptions:
         for path, flag in ((v["model"], "-m/--model"), (v["model_draft"], "-md/--model-draft")):
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
-        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=v["ubatch_size"], engine=v["engine"],
+        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=ubatch, engine=v["engine"],
                    stream_prefill=stream, exact=v["exact"],
                    check_tensors=v["check_tensors"], mmap=v["mmap"], pin_mapping=v["pin_mapping"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,

@@ -169,7 +169,7 @@ def session_setup(opts: RunOptions) -> Setup:
         notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
     elif draft == POOL_DRAFT:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
-    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size,
+    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size or p.ubatch,
                         n_threads=opts.threads,
                         repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine,
                         pool=p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),),

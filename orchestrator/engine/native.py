@@ -132,6 +132,7 @@ def _bind():
         "get_embeddings_nextn_ith": fn("spac_get_embeddings_nextn_ith", c_void_p, ctx_p, c_int32),
         "graph_n_splits": fn("spac_graph_n_splits", c_int32, ctx_p),
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
+        "graph_crossings_text": fn("spac_graph_crossings_text", c_int32, ctx_p, c_char_p, c_size_t),
         "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),
                                 c_int32, c_char_p, c_size_t),
         "model_layer_device": fn("spac_model_layer_device", c_char_p, c_void_p, c_int32),
@@ -230,6 +231,13 @@ def model_moe_layers(model_ptr, n_layer: int) -> list[int]:
 def graph_n_crossings(ctx) -> int:
     """Changes of backend from one compute node to the next in the context's last graph."""
     return int(lib()["graph_n_crossings"](_ctx_ptr(ctx)))
+
+
+def graph_crossings(ctx) -> list[str]:
+    """Those changes named: "node (backend) -> node (backend)", in graph order."""
+    buf = ctypes.create_string_buffer(1 << 16)
+    lib()["graph_crossings_text"](_ctx_ptr(ctx), buf, len(buf))
+    return [c for c in buf.value.decode(errors="replace").split("; ") if c]
 
 
 class Routing:

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 
 from orchestrator.engine.native import ggml_device_api
 from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice
+from orchestrator.engine.ubatch import DEFAULT_UBATCH, compute_buffer_bytes, prompt_ubatch
 from orchestrator.modelio.model_sizes import ModelSizes, model_sizes, recurrent_layers, state_per_layer  # noqa: F401  (placement's inputs)
 
 MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
+UBATCH_SHARE = 1 / 8   # a longer prompt pass's compute buffer may take this share of the pool's room
 CPU_RATIO = DEFAULT_BUDGET_RATIO  # pool size on the CPU test device when no --expert-budget is given
 
 
@@ -47,6 +49,7 @@ class Placement:
     n_gpu_layers: int      # target layers whose non-expert weights go to the GPU
     note: str              # one line: where things went and why (or why the pool is off)
     stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
+    ubatch: int = DEFAULT_UBATCH  # the prompt pass's tokens under -ub auto (engine/ubatch.py)
     tensor_split: tuple[float, ...] = ()         # several devices: llama.cpp's --tensor-split (their free memory)
     state_bytes: int = 0   # the contexts' recurrent states over every layer (a hybrid; with the layers, device or host)
 
@@ -146,15 +149,19 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
     left = int(on_gpu.free - used - margin)
     staging = sizes.staging_bytes if stream else 0
 
-    def with_staging(pool: int, note: str) -> Placement:
+    def with_staging(pool: int, note: str, ubatch: int = DEFAULT_UBATCH) -> Placement:
         off = ""
-        if staging and pool + staging <= left:
+        if pool >= sizes.expert_bytes:  # nothing is ever missing: no staging slots (patch 0026)
+            note += " (every expert, copied at load)"
+        elif staging and pool + staging <= left:
             note += f" + {_mib(staging)} of staging slots for streamed prefill"
         elif staging:
             off = f"its {_mib(staging)} of staging slots do not fit beside the pool on {on_gpu.name}"
             note += f"; streamed prefill off: {off} (--stream-prefill off silences this; a smaller --expert-budget makes room)"
+        if ubatch != DEFAULT_UBATCH:
+            note += f"; prompt passes of {ubatch} tokens (-ub auto)"
         return Placement((PoolDevice(on_gpu.name, Budget(nbytes=pool)),), want, note, stream_off=off,
-                         state_bytes=total_state)
+                         state_bytes=total_state, ubatch=ubatch)
 
     if not budget.auto:
         pool = budget.nbytes or int(budget.ratio * sizes.expert_bytes)
@@ -162,18 +169,28 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
             raise PlacementError(f"--expert-budget {_mib(pool)} does not fit {on_gpu.name}: {_mib(max(left, 0))} free "
                                  f"after {want} layers' {_held(sizes)} and a {_mib(margin)} margin")
         pool = min(pool, sizes.expert_bytes)
-        return with_staging(pool, f"{layers}, expert pool {_mib(pool)}")
+        ubatch = DEFAULT_UBATCH
+        if staging and pool + staging <= left:  # a streamed prefill: the pass may use what the budget leaves
+            ubatch = prompt_ubatch(sizes, pool, n_ctx, left - pool - staging)
+        return with_staging(pool, f"{layers}, expert pool {_mib(pool)}", ubatch)
     if left < max(sizes.one_expert * n_layer, 1):  # less than one slot per layer: not worth a pool
         if engine:
             raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
                                  f"{_mib(used)} for {want} layers' {_held(sizes)}); lower -ngl or --ctx-size")
         return Placement((), want, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
                          f"({_mib(on_gpu.free)} free, {_mib(used)} for their {_held(sizes)})", state_bytes=total_state)
+    if left >= sizes.expert_bytes:  # every expert fits: no staging slots, no copies after load
+        return with_staging(sizes.expert_bytes, f"{layers}, expert pool {_mib(sizes.expert_bytes)}")
     # the staging slots first, unless the pool would then drop below one slot per layer
     room = left - staging if left - staging >= sizes.one_expert * n_layer else left
     pool = min(room, sizes.expert_bytes)
+    ubatch = DEFAULT_UBATCH
+    if staging and room == left - staging:  # a streamed prefill: its pass length, paid from the pool's room
+        ubatch = prompt_ubatch(sizes, pool, n_ctx, int(UBATCH_SHARE * room))
+        grown = compute_buffer_bytes(sizes, ubatch, n_ctx, False) - compute_buffer_bytes(sizes, DEFAULT_UBATCH, n_ctx, False)
+        pool = min(room - grown, sizes.expert_bytes)
     return with_staging(pool, f"{layers}, expert pool {_mib(pool)} "
-                              f"({pool / sizes.expert_bytes:.0%} of the experts)")
+                              f"({pool / sizes.expert_bytes:.0%} of the experts)", ubatch)
 
 
 # ----------------------------------------------------------------------------- several devices

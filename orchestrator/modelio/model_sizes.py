@@ -6,6 +6,7 @@ can size a file without the live side (placement, native)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 _EXPERT_TENSOR = "_exps."  # ffn_{up,gate,down,gate_up}_exps: the routed experts
@@ -21,6 +22,13 @@ class ModelSizes:
     n_ctx_train: int = 0       # the GGUF's context_length
     staging_bytes: int = 0     # streamed prefill's staging slots: two layers of experts per slot group
     state_bytes: int = 0       # one sequence's recurrent state over the recurrent layers (F32; 0: no such layer)
+    # a prompt pass's compute and scratch (engine/ubatch.py)
+    n_embd: int = 0
+    n_vocab: int = 0
+    n_head: int = 0
+    n_expert: int = 0
+    n_ff_active: int = 0       # a token's expert FFN width: n_expert_used routed experts' plus the shared ones'
+    active_params: int = 0     # weights a token multiplies: every matrix but the token embeddings, routed experts at n_used / n_expert
 
     @property
     def one_expert(self) -> int:
@@ -62,9 +70,19 @@ def model_sizes(path: str | Path) -> ModelSizes:
     # and a streamed prefill stages two layers of experts per group besides the pool
     groups = {tuple(sorted((t.name.split(".", 2)[2], t.tensor_type, tuple(t.shape)) for t in ts)):
               sum(int(t.n_bytes) for t in ts) for ts in layers.values()}
+    n_used = int(get(k(gguf.Keys.LLM.EXPERT_USED_COUNT), 0))
+    n_ff_exp = int(get(k(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH), 0))
+    n_ff_shared = int(get(k(gguf.Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0)) * int(get(k(gguf.Keys.LLM.EXPERT_SHARED_COUNT), 0))
+    n_vocab = next((int(t.shape[1]) for t in r.tensors if t.name == "token_embd.weight" and len(t.shape) > 1), 0)
+    elements = lambda t: prod(int(d) for d in t.shape)  # noqa: E731
+    routed = sum(elements(t) for t in r.tensors if _EXPERT_TENSOR in t.name + ".")
+    dense = sum(elements(t) for t in r.tensors if _EXPERT_TENSOR not in t.name + "." and len(t.shape) >= 2
+                and not t.name.startswith("token_embd"))
     return ModelSizes(n_layer=n_layer, expert_bytes=expert, non_expert_bytes=other, kv_bytes_per_token=kv,
                       n_experts_total=len(layers) * n_expert, n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)),
-                      staging_bytes=2 * sum(groups.values()), state_bytes=sum(recurrent) * state_per_layer(get, arch))
+                      staging_bytes=2 * sum(groups.values()), state_bytes=sum(recurrent) * state_per_layer(get, arch),
+                      n_embd=n_embd, n_vocab=n_vocab, n_head=n_head, n_expert=n_expert, n_ff_active=n_used * n_ff_exp + n_ff_shared,
+                      active_params=dense + (routed * n_used // n_expert if n_expert else 0))
 
 
 # hybrids whose layers are linear attention but every full_attention_interval-th (llama.cpp's
