@@ -83,6 +83,29 @@ def test_the_pool_keeps_what_was_used(models):
         model.close()
 
 
+def test_a_later_layer_evicts_what_an_earlier_layer_used_as_llama_cpp_does(models):
+    """6 slots for 4 layers of top-4 routing: llama.cpp's cache gives each layer's misses the least
+    recently used slots, those an earlier layer of the same pass used included (its router has
+    run: the device is done with them), so after one token the last layer's 4 experts and 2 of
+    the layer before are cached; the logits stay the target's."""
+    model = Model(models["f32"], repack="off")
+    ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+    try:
+        ctx.decode([7])
+        want = ctx.logits().copy()
+        ctx.clear()
+        with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=6.5 / 64, upload_on_miss_tokens=CACHE_TOKENS) as engine:
+            ctx.decode([7])
+            np.testing.assert_array_equal(ctx.logits(), want)
+            s = engine.stats()
+            resident = engine.residency() >= 0
+            assert s["n_slots"] == 6 and resident.sum() == 6 and s["n_evictions"] == 16 - 6
+            assert resident[-1].sum() == 4 and resident[-2].sum() == 2
+    finally:
+        ctx.close()
+        model.close()
+
+
 @pytest.mark.parametrize("stream", ["off", "ahead"])
 def test_a_pool_of_every_expert_is_filled_at_load_and_never_stages(models, stream):
     """A slot for every expert: the pool is full before the first pass (one batch of copies per
