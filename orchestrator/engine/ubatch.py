@@ -13,9 +13,11 @@ H100, 2,048-token passes took a third of the time per token of 512-token ones). 
   over a 25 GB/s link against 30 ms of compute for 512 tokens), so memory decides.
 
 The compute buffer is llama.cpp's per-pass scratch, of which the placement's margin already
-holds the 512-token one; `compute_buffer_bytes` estimates one layer's peak: the residual stream
-and attention's projections, the routed experts' intermediates, and without flash attention the
-attention scores of every head (u × n_ctx × n_head floats, the term that grows fastest).
+holds the 512-token one. `compute_buffer_bytes` estimates its peak: the output logits that
+llama.cpp reserves for every token of the pass (u × n_vocab floats, the largest term on the files
+tried), or one layer's activations if larger (the residual stream, the routed experts'
+intermediates and, without flash attention, the attention scores of every head: u × n_ctx ×
+n_head floats).
 """
 
 from __future__ import annotations
