@@ -125,15 +125,49 @@ def check_pin_mapping_falls_back(rpc_device, tmp_path):
         model.close()
 
 
+def check_full_pool_runs_the_device_half_alone(rpc_device, tmp_path):
+    """Every layer and every expert on the device (a pool of every expert, patch 0026): no MoE
+    layer crosses to the host, as with llama.cpp's experts on the device; the logits are those of
+    the experts left on the host, to the RPC device's tolerance; a 40-token prompt too."""
+    from orchestrator.engine.llm import Context, Model
+    from orchestrator.engine.native import ExpertEngine, graph_crossings
+
+    path = make_random_model(tmp_path / "full.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
+    model = Model(path, n_gpu_layers=99, repack="off")
+    ctx = Context(model, n_ctx=64, n_batch=48, n_threads=2, op_offload=False)
+    prompt = list(range(40, 80))
+    try:
+        ctx.decode(prompt)
+        reference = ctx.logits().copy()
+        with ExpertEngine(ctx.ptr, path, device=rpc_device, budget_ratio=1.0, stream_prefill="ahead") as engine:
+            assert (engine.residency() >= 0).all()
+            for tokens in (prompt, [7]):  # a prompt, then one token after it
+                if len(tokens) > 1:
+                    ctx.clear()
+                ctx.decode(tokens)
+                crossings = graph_crossings(ctx.ptr)
+                assert not any("ffn_moe" in c for c in crossings), crossings
+            ctx.clear()
+            ctx.decode(prompt)
+            np.testing.assert_allclose(ctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())
+            s = engine.stats()
+            assert s["n_expert_tokens_cpu"] == 0 and s["n_staged"] == 0
+    finally:
+        ctx.close()
+        model.close()
+
+
 def check_on_rpc_device(rpc_device, tmp_path):
     check_pool_on_rpc_device(rpc_device, tmp_path)
+    check_full_pool_runs_the_device_half_alone(rpc_device, tmp_path)
     check_device_ids_distinct(rpc_device, tmp_path)
     check_pin_mapping_falls_back(rpc_device, tmp_path)
 
 
 def test_pool_on_rpc_device_matches_feature_off(tmp_path):
-    """Also: every token's device ids are distinct (check_device_ids_distinct); --pin-mapping
-    falls back on a device that cannot pin (check_pin_mapping_falls_back)."""
+    """Also: a pool of every expert runs the device half alone (check_full_pool_runs_the_device_half_alone);
+    every token's device ids are distinct (check_device_ids_distinct); --pin-mapping falls back on a
+    device that cannot pin (check_pin_mapping_falls_back)."""
     run_in_own_process(__file__, tmp_path)
 
 
