@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from orchestrator.engine.placement import GPU, UBATCH_SHARE, place
 from orchestrator.engine.pool import Budget
-from orchestrator.engine.ubatch import DEFAULT_UBATCH, UBATCHES, compute_buffer_bytes, prompt_ubatch
+from orchestrator.engine.ubatch import DEFAULT_UBATCH, UBATCHES, buffer_growth, compute_buffer_bytes, prompt_ubatch
 from orchestrator.modelio.model_sizes import ModelSizes
 
 GiB = 1 << 30
@@ -25,10 +25,11 @@ def test_nothing_copied_keeps_llama_cpps_pass():
 def test_copies_that_never_hide_take_the_longest_pass_that_fits():
     """8 GB of experts missing over 25 GB/s against 3.3 B weights at 100 TFLOPS: no pass up to
     4,096 tokens hides its copies, so memory decides."""
-    grown = lambda u: compute_buffer_bytes(QWEN, u, 4096, False) - compute_buffer_bytes(QWEN, 512, 4096, False)  # noqa: E731
     for u in UBATCHES:
-        assert prompt_ubatch(QWEN, 8 * GiB, 4096, room=grown(u)) == u
-        assert prompt_ubatch(QWEN, 8 * GiB, 4096, room=grown(u) - 1) == max(DEFAULT_UBATCH, u // 2)
+        grown = buffer_growth(QWEN, u, 4096)
+        assert grown == compute_buffer_bytes(QWEN, u, 4096, False) - compute_buffer_bytes(QWEN, 512, 4096, False)
+        assert prompt_ubatch(QWEN, 8 * GiB, 4096, room=grown) == u
+        assert prompt_ubatch(QWEN, 8 * GiB, 4096, room=grown - 1) == max(DEFAULT_UBATCH, u // 2)
     assert prompt_ubatch(QWEN, 8 * GiB, 1024, room=100 * GiB) == 1024  # never past the context
 
 
@@ -44,7 +45,7 @@ def test_the_shortest_pass_that_hides_its_copies_wins():
 def test_attention_scores_count_without_flash_attention():
     long = 32768
     assert compute_buffer_bytes(QWEN, 2048, long, False) > compute_buffer_bytes(QWEN, 2048, long, True)
-    room = compute_buffer_bytes(QWEN, 2048, long, True) - compute_buffer_bytes(QWEN, 512, long, True)
+    room = buffer_growth(QWEN, 2048, long, flash_attn=True)
     assert prompt_ubatch(QWEN, 8 * GiB, long, room, flash_attn=True) == 2048
     assert prompt_ubatch(QWEN, 8 * GiB, long, room, flash_attn=False) < 2048
 
@@ -56,7 +57,7 @@ def test_the_placement_pays_for_the_pass_from_the_pool():
     p = place(QWEN, 4096, gpu, None, Budget())
     fixed = place(replace(QWEN, n_embd=0), 4096, gpu, None, Budget())  # sizes without widths: 512, as before
     assert fixed.ubatch == DEFAULT_UBATCH and p.ubatch > DEFAULT_UBATCH
-    grown = compute_buffer_bytes(QWEN, p.ubatch, 4096, False) - compute_buffer_bytes(QWEN, DEFAULT_UBATCH, 4096, False)
+    grown = buffer_growth(QWEN, p.ubatch, 4096)
     assert fixed.pool[0].budget.nbytes - p.pool[0].budget.nbytes == grown
     assert grown <= UBATCH_SHARE * (fixed.pool[0].budget.nbytes)
     assert f"prompt passes of {p.ubatch} tokens" in p.note and "staging slots" in p.note
@@ -76,3 +77,12 @@ def test_a_given_budget_leaves_the_rest_to_the_pass():
     p = place(QWEN, 4096, GPU("CUDA0", free=23 * GiB, total=24 * GiB), None, Budget(ratio=0.25))
     assert p.pool[0].budget.ratio == 0.25 or p.pool[0].budget.nbytes == int(0.25 * QWEN.expert_bytes)
     assert p.ubatch == UBATCHES[-1] and "prompt passes of 4096 tokens" in p.note
+
+
+def test_a_given_pass_length_leaves_the_pool_alone():
+    """-ub N: the placement chooses no pass and the pool keeps the room a chosen one would take."""
+    gpu = GPU("CUDA0", free=int(7.5 * GiB), total=8 * GiB)
+    given = place(QWEN, 4096, gpu, None, Budget(), auto_ubatch=False)
+    unsized = place(replace(QWEN, n_embd=0), 4096, gpu, None, Budget())
+    assert given.ubatch == DEFAULT_UBATCH and "-ub auto" not in given.note
+    assert given.pool[0].budget.nbytes == unsized.pool[0].budget.nbytes

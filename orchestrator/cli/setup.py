@@ -139,7 +139,8 @@ def session_setup(opts: RunOptions) -> Setup:
                 return place_several(sizes, n_ctx, [seen[n] for n in names], budgets, opts.n_gpu_layers,
                                      stream=stream, states=states)
             return place(sizes, n_ctx, first_gpu(), opts.pool[0].name, budgets[0], opts.n_gpu_layers,
-                         engine if sizes.expert_bytes else False, stream=stream, states=states)
+                         engine if sizes.expert_bytes else False, stream=stream, states=states,
+                         auto_ubatch=not opts.ubatch_size)
         except PlacementError as e:
             fail(str(e))
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from orchestrator.engine.native import ggml_device_api
 from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice
-from orchestrator.engine.ubatch import DEFAULT_UBATCH, compute_buffer_bytes, prompt_ubatch
+from orchestrator.engine.ubatch import DEFAULT_UBATCH, buffer_growth, prompt_ubatch
 from orchestrator.modelio.model_sizes import ModelSizes, model_sizes, recurrent_layers, state_per_layer  # noqa: F401  (placement's inputs)
 
 MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
@@ -107,11 +107,13 @@ def _held(sizes: ModelSizes) -> str:
 
 
 def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, budget: Budget, ngl: str = "auto",
-          engine: bool | None = None, margin: int = MARGIN, stream: bool = True, states: int = 1) -> Placement:
+          engine: bool | None = None, margin: int = MARGIN, stream: bool = True, states: int = 1,
+          auto_ubatch: bool = True) -> Placement:
     """The placement for these model sizes, this free GPU memory (gpu: the first GPU, None if
     there is none) and these options (device: --device; budget: --expert-budget; ngl: -ngl;
     engine: --engine/--no-engine, None = on when possible; stream: --stream-prefill is not off;
-    states: recurrent states per layer, `recurrent_states`, counted where sizes.state_bytes).
+    states: recurrent states per layer, `recurrent_states`, counted where sizes.state_bytes;
+    auto_ubatch: -ub auto, the prompt pass chosen here and paid for from the pool; False: -ub N).
 
     On a GPU a streamed prefill's staging slots (sizes.staging_bytes) are set aside before the
     pool takes the rest; where they do not fit beside the pool the pool keeps the room and the
@@ -170,7 +172,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
                                  f"after {want} layers' {_held(sizes)} and a {_mib(margin)} margin")
         pool = min(pool, sizes.expert_bytes)
         ubatch = DEFAULT_UBATCH
-        if staging and pool + staging <= left:  # a streamed prefill: the pass may use what the budget leaves
+        if auto_ubatch and staging and pool + staging <= left:  # a streamed prefill: the pass may use what the budget leaves
             ubatch = prompt_ubatch(sizes, pool, n_ctx, left - pool - staging)
         return with_staging(pool, f"{layers}, expert pool {_mib(pool)}", ubatch)
     if left < max(sizes.one_expert * n_layer, 1):  # less than one slot per layer: not worth a pool
@@ -185,10 +187,9 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
     room = left - staging if left - staging >= sizes.one_expert * n_layer else left
     pool = min(room, sizes.expert_bytes)
     ubatch = DEFAULT_UBATCH
-    if staging and room == left - staging:  # a streamed prefill: its pass length, paid from the pool's room
+    if auto_ubatch and staging and room == left - staging:  # a streamed prefill: its pass, paid from the pool's room
         ubatch = prompt_ubatch(sizes, pool, n_ctx, int(UBATCH_SHARE * room))
-        grown = compute_buffer_bytes(sizes, ubatch, n_ctx, False) - compute_buffer_bytes(sizes, DEFAULT_UBATCH, n_ctx, False)
-        pool = min(room - grown, sizes.expert_bytes)
+        pool = min(room - buffer_growth(sizes, ubatch, n_ctx), sizes.expert_bytes)
     return with_staging(pool, f"{layers}, expert pool {_mib(pool)} "
                               f"({pool / sizes.expert_bytes:.0%} of the experts)", ubatch)
 

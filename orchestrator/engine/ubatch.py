@@ -42,6 +42,11 @@ def compute_buffer_bytes(sizes: ModelSizes, u: int, n_ctx: int, flash_attn: bool
     return 4 * u * max(layer, sizes.n_vocab + 2 * sizes.n_embd)
 
 
+def buffer_growth(sizes: ModelSizes, u: int, n_ctx: int, flash_attn: bool = False) -> int:
+    """How much more compute buffer a pass of u tokens takes than llama.cpp's 512-token one."""
+    return compute_buffer_bytes(sizes, u, n_ctx, flash_attn) - compute_buffer_bytes(sizes, DEFAULT_UBATCH, n_ctx, flash_attn)
+
+
 def prompt_ubatch(sizes: ModelSizes, pool_bytes: int, n_ctx: int, room: int, flash_attn: bool = False,
                   stream: bool = True, link: float = LINK_BYTES_PER_S, flops: float = GPU_FLOPS) -> int:
     """The prompt pass's length for this model, pool and context. room: device bytes the compute
@@ -51,8 +56,7 @@ def prompt_ubatch(sizes: ModelSizes, pool_bytes: int, n_ctx: int, room: int, fla
     if not stream or copied == 0 or not sizes.n_embd:
         return DEFAULT_UBATCH
     n_ctx = max(n_ctx, DEFAULT_UBATCH)
-    base = compute_buffer_bytes(sizes, DEFAULT_UBATCH, n_ctx, flash_attn)
-    fits = [u for u in UBATCHES if u <= n_ctx and compute_buffer_bytes(sizes, u, n_ctx, flash_attn) - base <= room]
+    fits = [u for u in UBATCHES if u <= n_ctx and buffer_growth(sizes, u, n_ctx, flash_attn) <= room]
     if not fits:
         return DEFAULT_UBATCH
     copy_s = copied / link
