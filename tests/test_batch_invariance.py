@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from orchestrator.decoding.speculative import EXACT_ROWS
 from orchestrator.engine import host_layout
 from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import engine_built
+from orchestrator.engine.native import engine_built, model_tensor_buft
 from orchestrator.modelio.gguf_export import make_random_model, tiny_config
 
 pytestmark = pytest.mark.skipif(not engine_built(), reason="needs the patched llama.cpp")
@@ -137,3 +137,34 @@ def test_a_hybrids_verify_pass_gives_the_one_token_logits(tmp_path, quant):
                                   rollback=GAMMA_MAX)
     finally:
         model.close()
+
+
+@pytest.mark.parametrize("quant", FILE_TYPES)
+def test_every_layout_prints_the_same_text(files, quant):
+    """For the types CPU_EXACT takes (patch 0029: every weight type of these files), which layout `--repack` chose changes the speed,
+    never the text: the file's plain layout (interleaved on the fly into the same kernels), CPU_EXACT
+    and auto's own choice give the same logits, bit for bit, for a 40-token prompt (past the
+    batch-invariant rows), greedy one-token decodes and a verify pass, and so the same tokens."""
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 256, 40).tolist()
+    runs, where = {}, {}
+    for repack in ("off", "on", "auto"):
+        model = Model(files[quant], repack=repack)
+        ctx = Context(model, n_ctx=128, n_batch=64, n_threads=2)
+        try:
+            where[repack] = {model_tensor_buft(model.ptr, n) for n in ("blk.0.ffn_up_exps.weight", "blk.0.attn_q.weight")}
+            ctx.decode(prompt, logits_all=False)
+            logits, tokens = [ctx.logits()[-1].copy()], []
+            for _ in range(ROWS):
+                tokens.append(int(np.argmax(logits[-1])))
+                ctx.decode([tokens[-1]])
+                logits.append(ctx.logits()[-1].copy())
+            ctx.clear()
+            ctx.decode(prompt, logits_all=False)
+            ctx.decode(tokens)
+            runs[repack] = (tokens, np.stack(logits).tobytes(), ctx.logits().tobytes())
+        finally:
+            ctx.close()
+            model.close()
+    assert where["off"] <= {"CPU", "CPU_Mapped"} and where["on"] == {"CPU_EXACT"}, where
+    assert runs["on"] == runs["off"] and runs["auto"] == runs["off"]

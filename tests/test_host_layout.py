@@ -67,23 +67,26 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
 
 @pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
 def test_every_expert_lands_where_the_mode_says(files, quant):
-    """Without a GPU: off keeps the file's layout, on is llama.cpp's default (CPU_REPACK wherever
-    it has a kernel), auto repacks the types the measurement chose; twins are host buffers."""
+    """Without a GPU: off keeps the file's layout, on is llama.cpp's default (the first extra buffer
+    type with a kernel: CPU_EXACT for Q4_0, Q4_K and Q6_K), auto repacks the types the measurement
+    chose, in the buffer type it timed; twins are host buffers."""
+    repacked = "CPU_EXACT"
     for mode in ("off", "on", "auto"):
         model = Model(files[quant], repack=mode, n_threads=2)
         try:
             bufts = expert_bufts(model)
-            chosen = {n for n in model.layout.repacked}
+            chosen = {n: "CPU_REPACK" for n in model.layout.repacked}
+            chosen.update({n: b for b, names in model.layout.placed.items() for n in names})
             if mode == "off":
                 assert set(bufts.values()) <= PLAIN
             elif mode == "auto":
-                assert all((b == "CPU_REPACK") == (n in chosen) and (b == "CPU_REPACK" or b in PLAIN)
-                           for n, b in bufts.items()), bufts
+                assert all(b == chosen[n] if n in chosen else b in PLAIN for n, b in bufts.items()), bufts
+                assert {chosen[n] for n in bufts if n in chosen} <= {repacked}
                 for name in bufts:
                     twin = model_tensor_buft(model.ptr, name, twin=True)
                     assert twin is None or twin in PLAIN
             else:
-                assert "CPU_REPACK" in bufts.values()
+                assert repacked in bufts.values()
         finally:
             model.close()
 
@@ -130,9 +133,10 @@ def test_copied_weights_leave_no_pages_in_the_mapping(tmp_path):
 
 
 def check_gpu_keeps_plain_experts(device, tmp_path):
-    """With layers on a GPU (here the RPC device), auto leaves every routed expert in a host
-    buffer (llama.cpp offloads a prompt's expert matmuls only from host buffers); --repack on
-    repacks them. On CUDA that needs llama.cpp's no_host: its pinned host buffer type comes first
+    """With layers on a GPU (here the RPC device), auto leaves a prompt's expert matmuls a host
+    buffer (llama.cpp offloads them only from host buffers): Q4_0 experts go to CPU_EXACT with
+    plain twins for the prompt's ubatches, others stay plain; --repack on repacks them (Q4_0:
+    CPU_EXACT, the first of the CPU's extra buffer types). On CUDA that needs llama.cpp's no_host: its pinned host buffer type comes first
     in the CPU list, and with a mapped file the loader turns it into plain CPU_Mapped (the RPC
     device has no host buffer type, so here the flag changes nothing and is checked as passed)."""
     path = make_random_model(tmp_path / "m.gguf", CFG, seed=5, quant="q4_0")
@@ -140,7 +144,10 @@ def check_gpu_keeps_plain_experts(device, tmp_path):
         model = Model(path, n_gpu_layers=99, repack=mode, n_threads=1)
         try:
             bufts = set(expert_bufts(model).values())
-            assert bufts == {"CPU_REPACK"} if mode == "on" else bufts <= PLAIN, (mode, bufts)
+            assert bufts == {"CPU_EXACT"} if mode in ("on", "auto") else bufts <= PLAIN, (mode, bufts)
+            if mode == "auto":
+                assert model.layout.n_plain_twins == len(expert_bufts(model))
+                assert {model_tensor_buft(model.ptr, n, twin=True) for n in expert_bufts(model)} <= PLAIN
             assert model.layout.no_host == (mode == "on")
             # device RPC0: buffer type "RPC[host:port]"; device CUDA0: "CUDA0"
             assert model_tensor_buft(model.ptr, "blk.0.attn_q.weight").startswith(device.rstrip("0123456789"))
@@ -268,7 +275,7 @@ def test_the_micro_benchmark_multiplies_real_numbers():
 
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_amx_mul_mat_equals_the_plain_kernel(type_name):
+def test_amx_mul_mat_equals_the_plain_kernel(type_name, request):
     """Patches 0011 and 0012: llama.cpp's AMX matmul at one token, a verify batch, full tiles and
     3-D activations (batch dims, the weight broadcast) gives the plain kernel's result. Unpatched,
     a GCC 12 -O3 build crashed on every matmul of more than one row, and batches after the first
@@ -280,6 +287,9 @@ def test_amx_mul_mat_equals_the_plain_kernel(type_name):
     ggml_type = gguf.GGMLQuantizationType[type_name].value
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 256), dtype=np.float32)
+    previous = host_layout.batch_invariant_rows()
+    host_layout.set_batch_invariant_rows(0)  # llama.cpp's plain kernel (exact mode would take CPU_EXACT's)
+    request.addfinalizer(lambda: host_layout.set_batch_invariant_rows(previous))
     for m, b in ((1, 1), (9, 1), (32, 1), (1, 3), (9, 2)):
         x = rng.standard_normal((b, m, 256), dtype=np.float32)
         plain, amx = mul_mat("CPU", ggml_type, w, x), mul_mat("AMX", ggml_type, w, x)

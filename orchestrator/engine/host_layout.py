@@ -1,6 +1,11 @@
-"""Where the host's weights live: llama.cpp's plain CPU layout or its repacked one, chosen per
-tensor type and per phase from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's
-flag name).
+"""Where the host's weights live: llama.cpp's plain CPU layout or a repacked one (spac's
+CPU_EXACT for the types it takes, llama.cpp's CPU_REPACK for the others), chosen per tensor type
+and per phase from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's flag name).
+
+CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL) sums every output in one order at every batch size,
+thread count and layout, and in batch-invariant mode (a session's default, `--exact`) the plain
+layout of those types takes the same kernels: for them the choice changes the speed, never the
+text. So a type CPU_EXACT takes is never given to CPU_REPACK or AMX, which round their own way.
 
 llama.cpp repacks every weight its CPU_REPACK buffer type takes (`--repack 1`, its default).
 Which layout is faster depends on the type, the batch and the CPU (on an AVX2 EPYC and on an
@@ -46,6 +51,7 @@ from orchestrator.engine.native import ggml_library
 
 REPACK_MODES = ("auto", "on", "off")
 REPACK_BUFT = "CPU_REPACK"
+EXACT_BUFT = "CPU_EXACT"
 # the batches a layout is timed at: one token (decoding, drafting), a verify pass, a prefill ubatch
 DECODE_TOKENS, VERIFY_TOKENS, PREFILL_TOKENS = 1, 9, 512
 # ubatches of at least this many tokens are prefill: a verify batch never has as many (the expert
@@ -303,10 +309,12 @@ class TypeChoice:
     plain_ms: list[float] = field(default_factory=list)
     repack_ms: list[float] | None = None
     plain_prefill: bool = False  # repacked for decoding, and prefill reads the file's plain layout
+    buft: str = REPACK_BUFT      # the repacked layout: CPU_EXACT where it takes the type
 
     @property
     def layout(self) -> str:
-        return ("repacked, plain for prefill" if self.plain_prefill else "repacked") if self.repack else "plain"
+        repacked = "repacked" if self.buft == REPACK_BUFT else self.buft
+        return (f"{repacked}, plain for prefill" if self.plain_prefill else repacked) if self.repack else "plain"
 
 
 @dataclass
@@ -332,7 +340,7 @@ class HostLayout:
     repacked: list[str] = field(default_factory=list)   # tensor names given CPU_REPACK (mode "auto")
     types: dict[str, TypeChoice] = field(default_factory=dict)
     dense: dict[str, DenseChoice] = field(default_factory=dict)
-    placed: dict[str, list[str]] = field(default_factory=dict)  # other buffer types (AMX): tensor names
+    placed: dict[str, list[str]] = field(default_factory=dict)  # other buffer types (CPU_EXACT, AMX): tensor names
     n_plain_twins: int = 0                      # repacked expert tensors with a plain twin for prefill
 
     def overrides(self) -> list[tuple[bytes, int]]:
@@ -343,7 +351,8 @@ class HostLayout:
 
     def report(self) -> str:
         if self.mode != "auto":
-            return {"on": "repacked wherever llama.cpp can (--repack on)", "off": "plain (--repack off)"}[self.mode]
+            return {"on": "CPU_EXACT for the types it takes, else repacked wherever llama.cpp can (--repack on)",
+                    "off": "plain (--repack off)"}[self.mode]
         experts = "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
         dense = "; ".join(f"{c.type} {'plain' if c.buft == 'CPU' else c.buft} ({c.why})" for c in self.dense.values())
         return f"{experts}; dense weights: {dense}" if dense else experts
@@ -418,13 +427,23 @@ def _cpu_key() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _timed(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: int, bufts: dict) -> tuple[list, list | None]:
-    """Per layout, the summed time (ms) of the type's expert matmuls at each batch (None: the
-    layout has no kernel for them)."""
-    if not all(supports(ggml_type, n_in, n_out, n_expert, bufts[REPACK_BUFT]) for n_in, n_out, n_expert, _ in shapes):
+def repacked_buft(ggml_type: int, shapes: list[tuple[int, ...]], bufts: dict, n_expert: bool = True) -> str | None:
+    """The repacked layout a type's weights of these shapes would take: CPU_EXACT where it takes
+    them all, else CPU_REPACK where it does (None: neither)."""
+    for name in (EXACT_BUFT, REPACK_BUFT):
+        if name in bufts and all(supports(ggml_type, s[0], s[1], s[2] if n_expert else 0, bufts[name]) for s in shapes):
+            return name
+    return None
+
+
+def _timed(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: int, bufts: dict,
+           repacked: str | None) -> tuple[list, list | None]:
+    """The summed time (ms) of the type's expert matmuls at each batch, plain and in the
+    `repacked` buffer type (None: no repacked kernel for them)."""
+    if repacked is None:
         return [], None  # nothing to choose: not timed
     out = {}
-    for layout in ("CPU", REPACK_BUFT):
+    for layout in ("CPU", repacked):
         out[layout] = []
         for n_tokens in (DECODE_TOKENS, VERIFY_TOKENS, PREFILL_TOKENS):
             total = 0.0
@@ -434,14 +453,18 @@ def _timed(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: i
                 t = time_matmul(ggml_type, n_in, n_out, ne, min(n_used, ne), toks, bufts[layout], n_threads)
                 total += t * 1e3 * (n_tokens / toks)  # the prefill's share, rescaled to its token count
             out[layout].append(total)
-    return out["CPU"], out[REPACK_BUFT]
+    return out["CPU"], out[repacked]
 
 
 def _timed_dense(ggml_type: int, shapes: list[tuple[int, int]], n_threads: int, bufts: dict) -> dict[str, list[float]]:
     """Per buffer type that takes every one of the type's dense weights, the summed time (ms) of
-    their matmuls at each batch."""
+    their matmuls at each batch. Where CPU_EXACT takes them, only it and the plain layout (the
+    others sum in other orders)."""
     out = {}
+    exact = repacked_buft(ggml_type, shapes, bufts, n_expert=False) == EXACT_BUFT
     for name, buft in bufts.items():
+        if exact and name not in ("CPU", EXACT_BUFT):
+            continue
         if not all(supports(ggml_type, n_in, n_out, 0, buft) for n_in, n_out in shapes):
             continue
         out[name] = []
@@ -460,12 +483,12 @@ def _timed_dense(ggml_type: int, shapes: list[tuple[int, int]], n_threads: int, 
 def dense_layout(ms: dict[str, list[float]]) -> str:
     """The dense weights' buffer type from their times per buffer type: decode (one token and the
     verify batch) decides, as for the experts; the fastest layout that beats the plain one by its
-    margin (none for CPU_REPACK, DENSE_MIN_GAIN for any other), else plain."""
+    margin (none for CPU_REPACK and CPU_EXACT, DENSE_MIN_GAIN for any other), else plain."""
     plain = ms["CPU"][0] + ms["CPU"][1]
     for buft in sorted(ms, key=lambda b: ms[b][0] + ms[b][1]):
         if buft == "CPU":
             return "CPU"
-        if plain / (ms[buft][0] + ms[buft][1]) >= (1.0 if buft == REPACK_BUFT else DENSE_MIN_GAIN):
+        if plain / (ms[buft][0] + ms[buft][1]) >= (1.0 if buft in (REPACK_BUFT, EXACT_BUFT) else DENSE_MIN_GAIN):
             return buft
     return "CPU"
 
@@ -474,9 +497,10 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
            cache: Path | None = None) -> HostLayout:
     """The host layout of the weights of the GGUF at `path` under `--repack mode`.
 
-    offloaded: layers go to a GPU. Its experts then stay plain under auto: llama.cpp's scheduler
-    copies a large ubatch's host weights to the GPU only from a host buffer, and CPU_REPACK is
-    not one, so repacking them would move every prompt back to the CPU."""
+    offloaded: layers go to a GPU. llama.cpp's scheduler copies a large ubatch's host weights to
+    the GPU only from a host buffer, which neither CPU_REPACK nor CPU_EXACT is: experts of the
+    types CPU_EXACT takes go to it with plain twins (host buffers over the file's bytes) for a
+    prompt's ubatches, the others stay plain."""
     if mode not in REPACK_MODES:
         raise ValueError(f"--repack must be one of {', '.join(REPACK_MODES)}, not {mode!r}")
     if mode != "auto":
@@ -484,7 +508,7 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     import gguf
 
     bufts = cpu_buffer_types()
-    if REPACK_BUFT not in bufts:
+    if REPACK_BUFT not in bufts and EXACT_BUFT not in bufts:
         return HostLayout(mode, use_extra_bufts=False)
     try:
         n_used, tensors = read_weights(path)
@@ -496,7 +520,7 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     for name, ggml_type, shape in tensors:
         if len(shape) < 2 or name.startswith("token_embd") or ggml_type in (0, 1, 30):  # F32, F16, BF16
             continue
-        if offloaded and "_exps" in name:
+        if offloaded and "_exps" in name and (len(shape) != 3 or repacked_buft(ggml_type, [shape], bufts) != EXACT_BUFT):
             continue
         weights.append((name, ggml_type, shape))
         if "_exps" in name and len(shape) == 3:
@@ -512,17 +536,23 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     layout = HostLayout(mode, use_extra_bufts=False)
     for ggml_type, shapes in sorted(experts.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
-        key = f"{key_base}|{name}|{sorted(shapes)}"
+        buft = repacked_buft(ggml_type, sorted(shapes), bufts)
+        if offloaded:  # not timed: what decodes on the host is exact and fast, a prompt goes to the GPU
+            layout.types[name] = TypeChoice(name, True, f"{EXACT_BUFT}, plain twins for the GPU's prompts",
+                                            plain_prefill=True, buft=EXACT_BUFT)
+            continue
+        key = f"{key_base}|{name}|{buft}|{sorted(shapes)}"
         if key not in cached:
-            plain, repacked = _timed(ggml_type, sorted(shapes), n_threads, bufts)
+            plain, repacked = _timed(ggml_type, sorted(shapes), n_threads, bufts, buft)
             cached[key] = {"plain_ms": plain, "repack_ms": repacked}
         plain, repacked = cached[key]["plain_ms"], cached[key]["repack_ms"]
         if repacked is None:
             choice = TypeChoice(name, False, "no repacked kernel on this CPU", plain, None)
         else:
             gain = (plain[0] + plain[1]) / (repacked[0] + repacked[1])
-            why = f"repacked: decode {gain:.2f}x, prefill {plain[2] / repacked[2]:.2f}x"
-            choice = TypeChoice(name, gain > 1.0, why, plain, repacked, plain_prefill=gain > 1.0 and plain[2] < repacked[2])
+            why = f"{buft}: decode {gain:.2f}x, prefill {plain[2] / repacked[2]:.2f}x"
+            choice = TypeChoice(name, gain > 1.0, why, plain, repacked, plain_prefill=gain > 1.0 and plain[2] < repacked[2],
+                                buft=buft)
         layout.types[name] = choice
     for ggml_type, shapes in sorted(dense.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
@@ -545,12 +575,13 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         tmp.replace(cache)
     except OSError:
         pass  # a read-only cache dir only costs the measurement next time
-    repack_types = {gguf.GGMLQuantizationType[n].value for n, c in layout.types.items() if c.repack}
+    expert_buft = {gguf.GGMLQuantizationType[n].value: c.buft for n, c in layout.types.items() if c.repack}
     dense_buft = {gguf.GGMLQuantizationType[n].value: c.buft for n, c in layout.dense.items()}
     for name, ggml_type, shape in weights:
         if len(shape) == 3:
-            if ggml_type in repack_types and supports(ggml_type, *shape, bufts[REPACK_BUFT]):
-                layout.repacked.append(name)
+            buft = expert_buft.get(ggml_type)
+            if buft and supports(ggml_type, *shape, bufts[buft]):
+                (layout.repacked if buft == REPACK_BUFT else layout.placed.setdefault(buft, [])).append(name)
         elif dense_buft.get(ggml_type, "CPU") == REPACK_BUFT:
             layout.repacked.append(name)
         elif dense_buft.get(ggml_type, "CPU") != "CPU":
