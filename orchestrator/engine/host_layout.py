@@ -532,7 +532,8 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         cached = json.loads(cache.read_text())
     except (OSError, ValueError):
         cached = {}
-    key_base = f"{_cpu_key()}|{n_threads}"
+    # exact mode changes what the plain layout computes with (CPU_EXACT's kernels or llama.cpp's)
+    key_base = f"{_cpu_key()}|{n_threads}|exact={batch_invariant_rows() > 0}"
     layout = HostLayout(mode, use_extra_bufts=False)
     for ggml_type, shapes in sorted(experts.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
