@@ -155,9 +155,10 @@ OPTIONS: dict[str, _Opt] = {
     "threads": _Opt("model", int, _DEFAULT_THREADS, typer.Option(
         "-t", "--threads", help="CPU threads (default: the physical cores, as llama.cpp); <= 0 = the default")),
     "repack": _Opt("model", str, "auto", typer.Option(
-        "--repack", help="host weights' layout: auto (per tensor type, measured on this CPU: llama.cpp's repacked "
-        "kernels where they decode faster, the file's plain layout for prompts where that is faster; the experts "
-        "of a GPU run stay plain), on (every weight llama.cpp can repack; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on "
+        "--repack", help="host weights' layout: auto (per tensor type, measured on this CPU: the repacked layout, "
+        "spac's CPU_EXACT for Q4_0/Q8_0/IQ4_NL/Q4_K/Q5_K/Q6_K and llama.cpp's for the rest, where it decodes faster, "
+        "the file's plain layout for prompts where that is faster; a GPU run's experts: CPU_EXACT with plain twins "
+        "for its prompts, or plain), on (every weight llama.cpp can repack; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on "
         "the CPU), off (the file's layout)")),
     "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
     "ubatch_size": _Opt("model", str, "auto", typer.Option(
