@@ -2,7 +2,7 @@
 CPU_EXACT for the types it takes, llama.cpp's CPU_REPACK for the others), chosen per tensor type
 and per phase from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's flag name).
 
-CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL) sums every output in one order at every batch size,
+CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K) sums every output in one order at every batch size,
 thread count and layout, and in batch-invariant mode (a session's default, `--exact`) the plain
 layout of those types takes the same kernels: for them the choice changes the speed, never the
 text. So a type CPU_EXACT takes is never given to CPU_REPACK or AMX, which round their own way.
@@ -427,11 +427,12 @@ def _cpu_key() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def repacked_buft(ggml_type: int, shapes: list[tuple[int, ...]], bufts: dict, n_expert: bool = True) -> str | None:
-    """The repacked layout a type's weights of these shapes would take: CPU_EXACT where it takes
-    them all, else CPU_REPACK where it does (None: neither)."""
+def repacked_buft(ggml_type: int, shapes: list[tuple[int, ...]], bufts: dict, experts: bool = True) -> str | None:
+    """The repacked layout a type's weights of these shapes (experts: (n_in, n_out, n_expert, ...);
+    else dense: (n_in, n_out)) would take: CPU_EXACT where it takes them all, else CPU_REPACK where
+    it does (None: neither)."""
     for name in (EXACT_BUFT, REPACK_BUFT):
-        if name in bufts and all(supports(ggml_type, s[0], s[1], s[2] if n_expert else 0, bufts[name]) for s in shapes):
+        if name in bufts and all(supports(ggml_type, s[0], s[1], s[2] if experts else 0, bufts[name]) for s in shapes):
             return name
     return None
 
@@ -461,7 +462,7 @@ def _timed_dense(ggml_type: int, shapes: list[tuple[int, int]], n_threads: int, 
     their matmuls at each batch. Where CPU_EXACT takes them, only it and the plain layout (the
     others sum in other orders)."""
     out = {}
-    exact = repacked_buft(ggml_type, shapes, bufts, n_expert=False) == EXACT_BUFT
+    exact = repacked_buft(ggml_type, shapes, bufts, experts=False) == EXACT_BUFT
     for name, buft in bufts.items():
         if exact and name not in ("CPU", EXACT_BUFT):
             continue
@@ -537,11 +538,11 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     layout = HostLayout(mode, use_extra_bufts=False)
     for ggml_type, shapes in sorted(experts.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
-        buft = repacked_buft(ggml_type, sorted(shapes), bufts)
-        if offloaded:  # not timed: what decodes on the host is exact and fast, a prompt goes to the GPU
+        if offloaded:  # only CPU_EXACT's types, not timed: the host decodes exactly and fast, a prompt goes to the GPU
             layout.types[name] = TypeChoice(name, True, f"{EXACT_BUFT}, plain twins for the GPU's prompts",
                                             plain_prefill=True, buft=EXACT_BUFT)
             continue
+        buft = repacked_buft(ggml_type, sorted(shapes), bufts)
         key = f"{key_base}|{name}|{buft}|{sorted(shapes)}"
         if key not in cached:
             plain, repacked = _timed(ggml_type, sorted(shapes), n_threads, bufts, buft)
