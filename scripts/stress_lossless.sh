@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # Run the lossless tests N times in a row beside a parallel CPU load, stopping at the first failure.
-#   scripts/stress_lossless.sh [N=20] [LOAD=2]
+#   scripts/stress_lossless.sh [N=20] [LOAD=2] [NICE=0]
 # The tests: every file whose greedy speculative output must equal target-only's (the real-files
 # table included, which builds its files once under runs/real-files) and the batch-invariance
-# tests. LOAD busy loops run beside them at the same priority for the whole soak, so thread
-# timings, the layout choice's timing and the scheduler all see a busy machine. Not a CI step:
-# one run takes minutes, twenty take hours. Needs scripts/install.sh --test first.
+# tests. LOAD busy loops run beside them for the whole soak, at the tests' priority plus NICE, so
+# thread timings, the layout choice's timing and the scheduler all see a busy machine. Not a CI
+# step: one run takes minutes, twenty take hours. On 2 cores, busy loops at the same priority
+# stall llama.cpp's spinning threads at every barrier (one run: 2.5 min idle, about 15 min beside
+# one or two loops); NICE=10 leaves the loops every gap the tests' threads leave, at a fraction of
+# that cost. Needs scripts/install.sh --test first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 runs=${1:-20}
 load=${2:-2}
+niceness=${3:-0}
 [ -x .venv/bin/python ] || { echo "run scripts/install.sh --test first" >&2; exit 2; }
 tests=(tests/real_files tests/test_batch_invariance.py tests/test_host_layout.py tests/test_hybrid.py
        tests/test_mtp_draft.py tests/test_models_drafts.py tests/test_pool_draft.py
        tests/test_speculative.py)
 
 busy=()
-for _ in $(seq "$load"); do (while :; do :; done) & busy+=($!); done
+for _ in $(seq "$load"); do nice -n "$niceness" bash -c 'while :; do :; done' & busy+=($!); done
 trap 'kill "${busy[@]}" 2>/dev/null' EXIT
 trap 'echo "interrupted" >&2; exit 130' INT
 
@@ -30,4 +34,4 @@ for i in $(seq "$runs"); do
     fi
     echo "run $i/$runs: $(tail -1 "/tmp/stress_lossless.$i.log") ($((SECONDS - start)) s, load average $(cut -d' ' -f1 /proc/loadavg))"
 done
-echo "all $runs runs passed beside $load busy loops"
+echo "all $runs runs passed beside $load busy loops at nice $niceness"
