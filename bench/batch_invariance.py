@@ -9,7 +9,11 @@ output), for n = 2..9 (a verify pass of γ + 1 ≤ 9), 16, 64 and 512 (prompt ub
 2 threads give what 1 thread gives. The baseline for a batch-invariant kernel of spac's own.
 
     .venv/bin/python bench/batch_invariance.py [--n-in 2048] [--n-out 256] [--types q4_0,q8_0,...]
-                                                [--batch-invariant-rows N]
+                                                [--batch-invariant-rows N] [--device CUDA0]
+
+--device runs the same comparison on a GPU's kernels (the device's own buffer type, its
+backend; issue 37's point 4: which verify sizes a GPU computes column by column); `rpc` is the
+stand-in, an RPC server on this machine serving its CPU with llama.cpp's kernels.
 
 --batch-invariant-rows N turns on ggml-cpu's batch-invariant mode for batches of up to N rows (spac's
 exact mode sets it to the largest verify batch); 0, the default, measures llama.cpp's kernels.
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.engine.host_layout import (  # noqa: E402
     cpu_buffer_types,
     cpu_model_and_flags,
+    device_buffer_type,
     matmul_output,
     set_batch_invariant_rows,
 )
@@ -56,7 +61,8 @@ def rows(ggml_type: int, buft: int, n_in: int, n_out: int, n_expert: int, n_used
 
     def run(n: int, threads: int = 1, start: int = 0):
         return matmul_output(ggml_type, n_in, n_out, n_expert, xs[start:start + n],
-                             None if ids is None else ids[start:start + n], buft, threads, seed=args.seed)
+                             None if ids is None else ids[start:start + n], buft, threads, seed=args.seed,
+                             device=args.device)
 
     first = run(1)
     if first is None:
@@ -67,7 +73,7 @@ def rows(ggml_type: int, buft: int, n_in: int, n_out: int, n_expert: int, n_used
         batch = run(n)
         k = min(n, N_REFERENCE)
         out.append(cell(batch[:k], single[:k]))
-    out.append(cell(run(9, threads=2), run(9)))
+    out.append(cell(run(9, threads=2), run(9)) if args.device == "CPU" else "-")
     return out
 
 
@@ -81,8 +87,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-invariant-rows", type=int, default=0,
                     help="ggml-cpu's batch-invariant mode up to this many rows (0: off, llama.cpp's kernels)")
+    ap.add_argument("--device", default="CPU", help="a ggml device (CUDA0, ...) instead of the CPU's buffer "
+                    "types; rpc: a stand-in RPC server on this machine")
     args = ap.parse_args()
+    if args.device == "rpc":
+        from orchestrator.engine.rpc import rpc_device
+        with rpc_device() as name:
+            args.device = name
+            report(args)
+    else:
+        report(args)
 
+
+def report(args) -> None:
+    """The table, on the CPU's buffer types or on args.device."""
     init_backend()  # llama.cpp's and ggml's errors only (not the repack lines)
     model, flags = cpu_model_and_flags()
     simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
@@ -92,7 +110,13 @@ def main() -> None:
     print(f"weights [{args.n_in} x {args.n_out}] (MUL_MAT_ID: x {args.n_expert} experts, {args.n_used} per token); "
           f"1 thread unless said; '=': bit-identical to the same tokens one at a time, else the largest "
           f"difference relative to the largest output\n")
-    bufts = cpu_buffer_types()
+    try:
+        bufts = cpu_buffer_types() if args.device == "CPU" else {args.device: device_buffer_type(args.device)}
+    except ValueError as e:
+        print(f"--device: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.device != "CPU":
+        print(f"device {args.device}: its kernels at every n (the batch-invariant rows apply to the CPU only)")
     head = " | ".join(f"n={n}" for n in BATCHES)
     print(f"| type | buffer | op | {head} | 2 threads = 1 (n=9) |")
     print("|---|---|---|" + "---|" * (len(BATCHES) + 1))

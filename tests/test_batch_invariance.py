@@ -7,6 +7,10 @@ path: matmuls, flash attention, norms, the recurrent layers of a hybrid), on eac
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -168,3 +172,22 @@ def test_every_layout_prints_the_same_text(files, quant):
             model.close()
     assert where["off"] <= {"CPU", "CPU_Mapped"} and where["on"] == {"CPU_EXACT"}, where
     assert runs["on"] == runs["off"] and runs["auto"] == runs["off"]
+
+
+def test_the_report_runs_on_a_device():
+    """bench/batch_invariance.py --device: the same comparison on a device's own kernels (a GPU's
+    on a lease, bench/gpu_checks.sh correct; here the RPC stand-in, in a process of its own: an RPC
+    device cannot be unregistered). Which cells read "=" is llama.cpp's kernels' business on that
+    device, so only the table is checked; an unknown device is exit 2, naming the flag."""
+    bench = [sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "batch_invariance.py")]
+    res = subprocess.run([*bench, "--device", "rpc", "--types", "q8_0", "--n-in", "256", "--n-out", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    rows = [line.strip(" |").split(" | ") for line in res.stdout.splitlines() if line.startswith("| q8_0 | RPC0 |")]
+    assert [r[2] for r in rows] == ["MUL_MAT", "MUL_MAT_ID"]
+    for r in rows:
+        cells = r[3:]
+        assert len(cells) == 12 and cells[-1] == "-"  # n = 2..512; threads: the CPU's question only
+        assert all(c == "=" or float(c) < 1e-3 for c in cells[:-1])
+    bad = subprocess.run([*bench, "--device", "NOPE", "--types", "q8_0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--device" in bad.stderr

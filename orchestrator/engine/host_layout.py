@@ -113,6 +113,8 @@ def _bind() -> dict:
         "tensor_set": fn(base, "ggml_backend_tensor_set", None, p, p, c_size_t, c_size_t),
         "tensor_get": fn(base, "ggml_backend_tensor_get", None, p, p, c_size_t, c_size_t),
         "dev_by_type": fn(reg, "ggml_backend_dev_by_type", p, c_int),
+        "dev_by_name": fn(reg, "ggml_backend_dev_by_name", p, c_char_p),
+        "dev_init": fn(base, "ggml_backend_dev_init", p, p, c_char_p),
         "dev_backend_reg": fn(base, "ggml_backend_dev_backend_reg", p, p),
         "dev_buffer_type": fn(base, "ggml_backend_dev_buffer_type", p, p),
         "dev_supports_op": fn(base, "ggml_backend_dev_supports_op", c_bool, p, p),
@@ -164,16 +166,29 @@ def cpu_buffer_types() -> dict[str, int]:
     return out
 
 
+def _device(name: str) -> int:
+    g = _lib()
+    dev = g["dev_by_type"](0) if name == "CPU" else g["dev_by_name"](name.encode())
+    if not dev:
+        raise ValueError(f"no ggml device named {name}")
+    return dev
+
+
+def device_buffer_type(name: str) -> int:
+    """The default buffer type of the ggml device `name` (CPU, CUDA0, RPC0, ...)."""
+    return _lib()["dev_buffer_type"](_device(name))
+
+
 @contextmanager
 def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int, buft: int,
-                  n_threads: int, seed: int = 0) -> Iterator[tuple | None]:
+                  n_threads: int, seed: int = 0, device: str = "CPU") -> Iterator[tuple | None]:
     """One MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type `buft`, F32
     activations [n_in, n_used, n_tokens], n_used distinct random experts per token), or with
-    n_expert = 0 one MUL_MAT (weight [n_in, n_out]), on a CPU backend of n_threads, its weights
-    a few random quantized rows (seeded) repeated: yields (x, ids, out, graph, backend), or None
-    where that buffer type does not take the weight."""
+    n_expert = 0 one MUL_MAT (weight [n_in, n_out]), on a backend of `device` (the CPU: n_threads
+    threads), its weights a few random quantized rows (seeded) repeated: yields (x, ids, out,
+    graph, backend), or None where that buffer type does not take the weight."""
     g = _lib()
-    dev = g["dev_by_type"](0)
+    dev = _device(device)
     overhead = g["tensor_overhead"]()
     ctx_w = g["init"](_InitParams(overhead * 2, None, True))
     ctx = g["init"](_InitParams(overhead * 8 + g["graph_overhead"](), None, True))
@@ -215,8 +230,11 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
             g["tensor_set"](ids, chosen.ctypes.data, 0, chosen.nbytes)
         graph = g["new_graph"](ctx)
         g["build_forward_expand"](graph, out)
-        backend = g["cpu_init"]()
-        g["cpu_set_n_threads"](backend, n_threads)
+        if device == "CPU":
+            backend = g["cpu_init"]()
+            g["cpu_set_n_threads"](backend, n_threads)
+        else:
+            backend = g["dev_init"](dev, None)
         yield x, ids, out, graph, backend
     finally:
         if backend:
@@ -250,14 +268,14 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
 
 
 def matmul_output(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.ndarray, ids: np.ndarray | None,
-                  buft: int, n_threads: int, seed: int = 0) -> np.ndarray | None:
+                  buft: int, n_threads: int, seed: int = 0, device: str = "CPU") -> np.ndarray | None:
     """The output of `_matmul_graph`'s matmul (the weights of `seed`) for these activations
     (F32 [n_tokens, n_used, n_in]; MUL_MAT: n_used 1) and experts (int32 [n_tokens, n_used];
     None for MUL_MAT): F32 [n_tokens, n_used, n_out]. None where the buffer type does not take
     the weight. What bench/batch_invariance.py compares between batch sizes."""
     g = _lib()
     n_tokens, n_used, _ = xs.shape
-    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed) as built:
+    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed, device) as built:
         if built is None:
             return None
         x, ids_t, out, graph, backend = built
