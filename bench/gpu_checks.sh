@@ -31,7 +31,7 @@ threads=${SPAC_THREADS:-$(( $(nproc) / 2 ))}
 # own). In `correct` it runs as a user serving a CPU would, with its default --exact: the device
 # then computes an expert bit for bit as the host does, and its tokens must equal target-only's.
 # Elsewhere --no-exact: llama.cpp's kernels, a device's own, as a GPU's are.
-bench_device=$device rpc_args=() test_device=$device
+bench_device=$device rpc_args=() test_device=$device stand_in=0
 if [ "$device" = rpc ]; then
     port=$(( 20000 + RANDOM % 20000 ))
     exact=--no-exact; [ "$stage" = correct ] && exact=--exact
@@ -40,7 +40,7 @@ if [ "$device" = rpc ]; then
     trap 'kill $server 2> /dev/null' EXIT
     for _ in $(seq 300); do grep -q "RPC server on" "$out/rpc-server.log" && break; sleep 0.1; done
     grep -q "RPC server on" "$out/rpc-server.log" || { echo "the RPC server did not start" >&2; exit 1; }
-    device=RPC0 rpc_args=(--rpc 127.0.0.1:$port) test_device=
+    device=RPC0 rpc_args=(--rpc 127.0.0.1:$port) test_device= stand_in=1
 fi
 spac() { "$py" -m orchestrator.cli "$@" ${rpc_args[@]+"${rpc_args[@]}"}; }
 
@@ -91,7 +91,7 @@ EOF
             done
         done
     done
-    [ "${SPAC_DEVICE:-CUDA0}" = rpc ] && failed=$(( failed | differ ))
+    [ $stand_in = 1 ] && failed=$(( failed | differ ))
     # 2. the engine tests that take a second device, with this device as that device
     #    (the streamed prefill's too: events and the copy worker's own stream on a real GPU)
     SPAC_TEST_DEVICE=$test_device "$py" -m pytest -q -p no:cacheprovider tests/test_engine_rpc.py tests/test_pool_draft.py \
@@ -99,7 +99,7 @@ EOF
         | tee "$out/pytest-device.log" || failed=1
     # 3. which n-token passes the device's matmul kernels compute column by column, bit for bit as
     #    n one-token passes (issue 37, point 4): a report, it fails nothing but an error
-    bi_device=$device; [ "${SPAC_DEVICE:-CUDA0}" = rpc ] && bi_device=rpc
+    bi_device=$device; [ $stand_in = 1 ] && bi_device=rpc   # its own stand-in, on llama.cpp's kernels
     "$py" bench/batch_invariance.py --device "$bi_device" --types f16,q4_0,q8_0,q4_k,q5_k,q6_k,iq4_nl \
         2>&1 | tee "$out/batch-invariance.md" || failed=1
     exit $failed

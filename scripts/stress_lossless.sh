@@ -7,7 +7,8 @@
 # thread timings, the layout choice's timing and the scheduler all see a busy machine. Not a CI
 # step: one run takes minutes, twenty take hours. On 2 cores, busy loops at the same priority
 # stall llama.cpp's spinning threads at every barrier (one run: 2.5 min idle, 10-15 min beside two
-# loops); NICE=10 leaves the loops every gap the tests' threads leave, and a run about 2.5 min. Needs scripts/install.sh --test first.
+# loops); NICE=10 leaves the loops every gap the tests' threads leave, and a run about 2.5 min.
+# Needs scripts/install.sh --test first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
