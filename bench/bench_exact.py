@@ -44,7 +44,7 @@ def main() -> None:
     init_backend()
     cpu, flags = cpu_model_and_flags()
     print(f"CPU: {cpu}; flags {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx', 'fma', 'f16c'))))}")
-    model = Model(args.model, repack=args.repack, n_threads=args.threads)
+    model = Model(args.model, repack=args.repack, n_threads=args.threads, exact=True)  # exact mode's layout, both kernels
     batches = [int(b) for b in args.batches.split(",")]
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_vocab, args.context).tolist()

@@ -46,7 +46,10 @@ DEFAULT_OUT = ROOT / "runs" / "real-files"
 TYPES = ["f32", "f16", "q8_0", "q4_k_m"]
 # the families added last (issue 40) are made in two (CI's time): F32, held against transformers,
 # and Q4_K_M, K-quant experts; the F16 and Q8_0 kernels are the ones the other families run
-TYPES_OF = {a: ["f32", "q4_k_m"] for a in ("glm4moe", "deepseek3", "llama4", "minimax-m2", "ernie4_5-moe")}
+TYPES_OF = {a: ["f32", "q4_k_m"] for a in ("glm4moe", "llama4", "minimax-m2", "ernie4_5-moe")}
+# DeepSeek-V3 in Q8_0 too: its 3-D attn_k_b/attn_v_b (MUL_MAT batched over heads) are Q8_0 there, a
+# type every repacked layout takes as a matrix but not batched (the default layout once placed them)
+TYPES_OF["deepseek3"] = ["f32", "q8_0", "q4_k_m"]
 DRAFT_TYPE = "q4_0"  # the self-draft, quantized from F32
 
 PROMPTS = ["The expert pool holds", "def fibonacci(n):", "Once upon a time, the router"]

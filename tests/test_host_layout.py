@@ -67,12 +67,12 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
 
 @pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
 def test_every_expert_lands_where_the_mode_says(files, quant):
-    """Without a GPU: off keeps the file's layout, on is llama.cpp's default (the first extra buffer
-    type with a kernel: CPU_EXACT for Q4_0, Q4_K and Q6_K), auto repacks the types the measurement
-    chose, in the buffer type it timed; twins are host buffers."""
+    """Without a GPU, in exact mode: off keeps the file's layout, on is llama.cpp's default rule
+    (the first extra buffer type with a kernel: CPU_EXACT for Q4_0, Q4_K and Q6_K), auto repacks
+    the types the measurement chose, in the buffer type it timed; twins are host buffers."""
     repacked = "CPU_EXACT"
     for mode in ("off", "on", "auto"):
-        model = Model(files[quant], repack=mode, n_threads=2)
+        model = Model(files[quant], repack=mode, n_threads=2, exact=True)
         try:
             bufts = expert_bufts(model)
             chosen = {n: "CPU_REPACK" for n in model.layout.repacked}
@@ -89,6 +89,59 @@ def test_every_expert_lands_where_the_mode_says(files, quant):
                 assert repacked in bufts.values()
         finally:
             model.close()
+
+
+@pytest.mark.parametrize("hide", ["", "amx"])
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+def test_no_exact_is_llama_cpps_layouts(files, quant, hide, monkeypatch):
+    """--no-exact --repack on is stock llama.cpp's placement: every weight in the first of its own
+    buffer types that takes it (AMX where spac's build and the CPU have it and it is not hidden,
+    then CPU_REPACK), nothing in CPU_EXACT; auto out of exact mode chooses among llama.cpp's
+    layouts only. Run with AMX hidden and not, on any CPU (where there is no AMX both are the same
+    run, and the AMX half of the assertion is about an empty set)."""
+    monkeypatch.setenv(host_layout.HIDE_ENV, hide)
+    bufts = host_layout.cpu_buffer_types()
+    assert host_layout.EXACT_BUFT in bufts and ("AMX" not in bufts if hide else True)
+    for mode in ("on", "auto"):
+        model = Model(files[quant], repack=mode, n_threads=2, exact=False)
+        try:
+            placed = {n: model_tensor_buft(model.ptr, n) for n, _, ne in host_layout.read_weights(files[quant]).tensors
+                      if len(ne) >= 2}
+            assert host_layout.EXACT_BUFT not in placed.values(), placed
+            assert not model.layout.exact and host_layout.EXACT_BUFT not in model.layout.placement()
+            if hide:
+                assert "AMX" not in placed.values()
+            if mode == "on":  # each weight where llama.cpp's own rule puts it
+                for name, t, ne in host_layout.read_weights(files[quant]).tensors:
+                    op = host_layout.weight_op(name, ne)
+                    if op is not None:
+                        want = host_layout.first_taking(t, ne, op, CFG.n_expert_used, host_layout.usable_buffer_types(False))
+                        assert placed[name] in ({want} if want != "CPU" else PLAIN), (name, placed[name], want)
+                experts = {placed[n] for n in expert_bufts(model)}
+                assert experts == {"CPU_REPACK"} if quant == "q4_0" else experts <= {"CPU_REPACK", *PLAIN}, experts
+        finally:
+            model.close()
+
+
+def test_a_layout_never_takes_an_op_it_has_no_kernel_for(tmp_path):
+    """A 3-D weight read by a batched MUL_MAT (DeepSeek's attn_k_b) is not an expert: the layout
+    its type chose for matrices has no kernel for it, so it stays plain and --json says so."""
+    bufts = host_layout.usable_buffer_types(True)
+    q8_0 = 8
+    assert host_layout.supports(q8_0, (512, 256), bufts["CPU_EXACT"])
+    assert not host_layout.supports(q8_0, (512, 256, 4), bufts["CPU_EXACT"])  # batched over 4 heads
+    assert host_layout.supports(q8_0, (512, 256, 4), bufts["CPU_EXACT"], host_layout.MUL_MAT_ID, 2)
+    assert host_layout.weight_op("blk.0.attn_k_b.weight", [128, 64, 4]) == host_layout.MUL_MAT
+    assert host_layout.weight_op("blk.0.ffn_up_exps.weight", [128, 64, 4]) == host_layout.MUL_MAT_ID
+    assert host_layout.weight_op("token_embd.weight", [128, 64]) is None
+    layout = host_layout.HostLayout("auto", use_extra_bufts=False, fallbacks={"blk.0.attn_k_b.weight": "CPU_EXACT"})
+    assert layout.to_dict()["fallbacks"] == {"blk.0.attn_k_b.weight": "CPU_EXACT"} and "1 tensors plain" in layout.report()
+
+
+def test_hiding_an_unknown_feature_says_which(monkeypatch):
+    monkeypatch.setenv(host_layout.HIDE_ENV, "amx,avx9")
+    with pytest.raises(ValueError, match="SPAC_HIDE_CPU_FEATURES: unknown feature avx9"):
+        host_layout.cpu_buffer_types()
 
 
 def mapped_resident_bytes(path) -> int:
@@ -141,7 +194,7 @@ def check_gpu_keeps_plain_experts(device, tmp_path):
     device has no host buffer type, so here the flag changes nothing and is checked as passed)."""
     path = make_random_model(tmp_path / "m.gguf", CFG, seed=5, quant="q4_0")
     for mode in ("auto", "off", "on"):
-        model = Model(path, n_gpu_layers=99, repack=mode, n_threads=1)
+        model = Model(path, n_gpu_layers=99, repack=mode, n_threads=1, exact=True)
         try:
             bufts = set(expert_bufts(model).values())
             assert bufts == {"CPU_EXACT"} if mode in ("on", "auto") else bufts <= PLAIN, (mode, bufts)

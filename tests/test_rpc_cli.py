@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -163,6 +164,16 @@ def test_a_server_that_dies_mid_run_is_one_line_and_exit_2():
     _, err = client.communicate(timeout=60)
     assert client.returncode == 2, err[-2000:]
     assert "--rpc" in err and "RPC server" in err and "Traceback" not in err
+    assert not re.search(r"[/\\][^\s:]*\.(c|cpp):\d+", err), err[-2000:]  # file:line, no build directory
+
+
+def test_ggml_messages_name_the_file_and_line_without_the_build_directory():
+    from orchestrator.engine.rpc import without_build_paths
+
+    said = "/home/ci/spac/vendor/llama-cpp-python/vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:587: Remote RPC server crashed"
+    assert without_build_paths(said) == "ggml-rpc.cpp:587: Remote RPC server crashed"
+    assert without_build_paths("C:\\b\\ggml\\src\\ggml.c:12: GGML_ASSERT(x) failed") == "ggml.c:12: GGML_ASSERT(x) failed"
+    assert without_build_paths("ggml.c:12: fine as it is") == "ggml.c:12: fine as it is"
 
 
 @pytest.mark.skipif(not engine_built(), reason="native engine not built")
@@ -216,3 +227,4 @@ def test_one_of_two_servers_dying_mid_run_is_one_line_and_exit_2(two_servers):
     _, err = client.communicate(timeout=60)
     assert client.returncode == 2, err[-2000:]
     assert "--rpc" in err and "RPC server" in err and "Traceback" not in err
+    assert not re.search(r"[/\\][^\s:]*\.(c|cpp):\d+", err), err[-2000:]  # file:line, no build directory

@@ -40,7 +40,7 @@ from orchestrator.cli import drafts, profile_measure, record
 from orchestrator.cli.options import EXIT_INTERRUPTED, RunOptions, default_threads, fail, run_options
 from orchestrator.cli.setup import open_session, session_setup
 from orchestrator.decoding.speculative import EXACT_ROWS, Session
-from orchestrator.engine import rpc
+from orchestrator.engine import progress, rpc
 from orchestrator.engine.host_layout import set_batch_invariant_rows
 from orchestrator.engine.llm import ModelError, deferred_sigint
 from orchestrator.engine.native import NativeError
@@ -193,7 +193,7 @@ def generate(
         _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
         return
     try:
-        session, setup = open_session(opts)
+        session, setup = open_session(opts, err, plain_progress=json_out)
     except KeyboardInterrupt:
         err.print("[dim]stop: interrupted (while loading)[/]")
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -247,7 +247,7 @@ def chat(
     /reset forgets the conversation, /exit leaves."""
     max_tokens = _no_limit(n_predict)
     try:
-        session, setup = open_session(opts)
+        session, setup = open_session(opts, err)
     except KeyboardInterrupt:
         err.print("[dim]stop: interrupted (while loading)[/]")
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -371,7 +371,7 @@ def calibrate(*, opts: RunOptions) -> None:
     """Measure the unit costs of the workload balancer again and print them as JSON."""
     opts = replace(opts, recalibrate=True, engine=True, ablations=())
     try:
-        session, _ = open_session(opts)
+        session, _ = open_session(opts, err)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     try:
@@ -407,8 +407,9 @@ def serve(
     sampling = opts.sampling()
     defaults = Defaults(sampling=replace(sampling, seed=None) if opts.seed_random else sampling, stop=list(opts.stop),
                         max_tokens=n_predict if n_predict >= 0 else None)
-    error = run_server(lambda: Session(cfg), Path(cfg.model).name, host=host, port=port, api_key=api_key,
-                       defaults=defaults, queue_size=queue_size)
+    with progress.reporting(progress.PlainReporter()):  # the session loads while uvicorn logs: lines, not a display
+        error = run_server(lambda: Session(cfg), Path(cfg.model).name, host=host, port=port, api_key=api_key,
+                           defaults=defaults, queue_size=queue_size)
     if error:
         fail(error)
 

@@ -158,8 +158,9 @@ OPTIONS: dict[str, _Opt] = {
         "--repack", help="host weights' layout: auto (per tensor type, measured on this CPU: the repacked layout, "
         "spac's CPU_EXACT for Q4_0/Q8_0/IQ4_NL/Q4_K/Q5_K/Q6_K and llama.cpp's for the rest, where it decodes faster, "
         "the file's plain layout for prompts where that is faster; a GPU run's experts: CPU_EXACT with plain twins "
-        "for its prompts, or plain), on (every weight llama.cpp can repack; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on "
-        "the CPU), off (the file's layout)")),
+        "for its prompts, or plain), on (each weight in the first layout that takes it, as llama.cpp's --repack 1: CPU_EXACT "
+        "first; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on the CPU), off (the file's layout); "
+        "with --no-exact, llama.cpp's layouts only (no CPU_EXACT)")),
     "ctx_size": _Opt("model", int, 0, typer.Option("-c", "--ctx-size", help="context size, 0 = the model's")),
     "ubatch_size": _Opt("model", str, "auto", typer.Option(
         "-ub", "--ubatch-size", help="tokens per prompt-processing pass (llama.cpp's -b and -ub at once), or auto: "
@@ -176,8 +177,8 @@ OPTIONS: dict[str, _Opt] = {
     "exact": _Opt("model", bool, True, typer.Option(
         "--exact/--no-exact", help="host matmuls and attention of up to 32 tokens (--draft-max + 1 if more) compute every row as "
         "one token does, so speculative greedy output is exactly target-only's on the host (a verify pass's dense "
-        "weights then take one-row kernels); --no-exact: llama.cpp's batched kernels, faster verify passes whose "
-        "rounding may turn a near-tie into another token")),
+        "weights then take one-row kernels); --no-exact: llama.cpp's kernels in llama.cpp's layouts, as stock llama.cpp "
+        "computes, faster verify passes whose rounding may turn a near-tie into another token")),
     "check_tensors": _Opt("model", bool, False, typer.Option(
         "--check-tensors", help="check the model's tensor data for NaN/Inf on load (as llama.cpp's)")),
     "mmap": _Opt("model", bool, True, typer.Option(

@@ -235,7 +235,9 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         layers_on_device = not on_cpu_pool
     progress(f"loading {Path(model_path).name}")
     layout = {} if repack is None else {"repack": repack}
-    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, mmap=mmap, **layout)
+    # spac's layout as a session's default (exact mode) has it: what the live host computes with
+    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, mmap=mmap, exact=True,
+                  **layout)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, model.n_vocab, PREFIX)
     # a new batch for every timed pass, as a live run routes new tokens every step (a repeated

@@ -1,7 +1,7 @@
 """From checked options to a session: the default models, the placement and the session itself.
 
     setup = session_setup(opts)            # loads nothing: `spac generate --dry-run` prints setup.notes
-    session, setup = open_session(opts)    # or one line on stderr and exit 2
+    session, setup = open_session(opts, err)  # its loading shown on stderr; or one line there and exit 2
 
 `resolve_models` picks the target and the draft (-m/-md, the shipped models, else the pool
 draft); `session_setup` checks the files, lists the devices (registering --rpc servers first),
@@ -13,10 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+
 from orchestrator import models
 from orchestrator.cli.options import RunOptions, fail
 from orchestrator.decoding.mtp_draft import MTP_DRAFT
 from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
+from orchestrator.engine import progress
 from orchestrator.engine.llm import ModelError, check_gguf
 from orchestrator.engine.native import NativeError, engine_built
 from orchestrator.engine.placement import (GPU, PlacementError, devices, first_gpu, model_sizes, place, place_several,
@@ -182,11 +185,16 @@ def session_setup(opts: RunOptions) -> Setup:
     return Setup(cfg, notes, off, p.state_bytes)
 
 
-def open_session(opts: RunOptions):
+def open_session(opts: RunOptions, err: Console | None = None, plain_progress: bool = False):
     """(Session, Setup), or one clear line and exit 2 (bad file, vocabulary mismatch, engine).
-    Ctrl-C while loading raises KeyboardInterrupt (never lost in a native callback)."""
+    Ctrl-C while loading raises KeyboardInterrupt (never lost in a native callback). The loading's
+    phases are shown on stderr (engine/progress.py): live on `err` when it is a terminal, else, or
+    with plain_progress (--json), as plain lines."""
     setup = session_setup(opts)
     try:
-        return Session(setup.config), setup
+        # the display ends before an error line is printed
+        with progress.reporting(progress.on_stderr(err or Console(stderr=True), plain=plain_progress)):
+            session = Session(setup.config)
     except (ModelError, NativeError, ValueError) as e:
         fail(str(e))
+    return session, setup

@@ -216,7 +216,7 @@ class Session:
                mtp: bool = False) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
                   verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap, devices=devices,
-                  tensor_split=tensor_split, mtp=mtp)
+                  tensor_split=tensor_split, mtp=mtp, exact=self.cfg.exact)
         self._models.append(m)
         return m
 

@@ -34,15 +34,19 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from orchestrator.engine import progress
 from orchestrator.policies.base import Feedback
 from orchestrator.policies.plan import Plan
 
 VERSION = 1
+# the shares of the experts a verify pass uses that are resident in the timed passes
+RESIDENT_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 _FINGERPRINT_BYTES = 1 << 20
 
 
@@ -154,14 +158,18 @@ def load_or_calibrate(rig: Rig, force: bool = False, path: str | Path | None = N
             return Calibration(**{**cache[key], "source": "cache"})
         except TypeError:
             pass  # written by another version: measure again
-    cal = measure(rig)
+    steps = len(RESIDENT_SHARES) + 2  # the warm-up, each share, the copy and draft costs
+    with progress.phase("calibrating", total=steps) as calibrating:
+        cal = measure(rig, step=calibrating.advance)
     cache[key] = asdict(cal)
     _write(path, cache)
     return cal
 
 
-def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> Calibration:
-    """Run the warm-up measurement (the KV caches end up empty, the pool wanting nothing)."""
+def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0,
+            step: Callable[[], object] = lambda: None) -> Calibration:
+    """Run the warm-up measurement (the KV caches end up empty, the pool wanting nothing); `step`
+    is called after each of its len(RESIDENT_SHARES) + 2 steps (a progress display)."""
     engine, routing, ctx = rig.engine, rig.routing, rig.ctx
     gamma = max(rig.gamma, 1)
     rng = np.random.default_rng(seed)
@@ -188,13 +196,14 @@ def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> 
 
     timed_pass()  # warm-up (first-touch of weights and buffers)
     _, _, ids = timed_pass()
+    step()
     used = np.zeros((n_layer, n_expert), dtype=bool)
     np.put_along_axis(used, ids.reshape(n_layer, -1), True, axis=1)
     used_pairs = np.argwhere(used)
     order = rng.permutation(len(used_pairs))
     k_max = rig.k_max
     rows, times = [], []
-    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+    for frac in RESIDENT_SHARES:
         n_res = min(int(round(frac * len(used_pairs))), n_slots)
         utility = np.zeros((n_layer, n_expert), dtype=np.uint8)
         chosen = used_pairs[order[:n_res]]
@@ -208,6 +217,7 @@ def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> 
         n_cpu = float(np.median([s[1]["n_expert_tokens_cpu"] for s in samples]))
         rows.append((1.0, n_cpu, float(n_dev_distinct)))
         times.append(dt)
+        step()
     stats1 = engine.stats()
     # leave nothing wanted: the live plans take over from here
     engine.set_plan(Plan(utility=np.zeros((n_layer, n_expert), dtype=np.uint8),
@@ -230,6 +240,7 @@ def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0) -> 
         t_io = w_e / host_copy_bandwidth()
 
     t_draft = measure_draft(rig.draft_ctx, prefix, rng) if rig.draft_ctx is not None else 0.0
+    step()
     return Calibration(t_cpu_unit=float(t_cpu), t_gpu_unit=float(t_gpu), t_io_unit=float(t_io),
                        expert_bytes=float(w_e), t_draft_token=float(t_draft),
                        t_total=float(np.median(times)) / n_layer, n_moe_layers=n_layer,

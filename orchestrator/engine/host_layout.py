@@ -6,6 +6,11 @@ CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K) sums every output i
 every batch size, thread count and layout, and in batch-invariant mode (a session's default,
 `--exact`) the plain layout of those types takes the same kernels: for them the choice changes
 the speed, never the text. So a type CPU_EXACT takes is never given to CPU_REPACK or AMX, which round their own way.
+Out of exact mode (`--no-exact`) CPU_EXACT is never used: the layouts are llama.cpp's own, and
+spac computes what stock llama.cpp computes. `on` is llama.cpp's own rule, weight by weight: the
+first buffer type in its list that takes the op reading the weight (CPU_EXACT first in exact mode).
+Every weight a layout names is asked that question first, as llama.cpp's loader asks it: an
+override to a buffer type with no kernel for the op would stop the scheduler mid-graph.
 
 llama.cpp repacks every weight its CPU_REPACK buffer type takes (`--repack 1`, its default).
 Which layout is faster depends on the type, the batch and the CPU (on an AVX2 EPYC and on an
@@ -18,15 +23,16 @@ bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that 
 (attention, output head: MUL_MAT) go, per type, to whichever CPU buffer type decodes them fastest:
 the plain one, CPU_REPACK, or AMX on CPUs that have it (patches 0011-0012 make it safe). The
 times are cached per CPU (model name and flags), build, threads and shape, beside the warm-up
-calibration.
+calibration. SPAC_HIDE_CPU_FEATURES=amx hides AMX from every choice, so that a CPU with it runs
+as the many without it do (the tests run both ways).
 
 The micro-benchmark speaks ggml's public C API through ctypes (the libraries llama.cpp loaded):
 a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
 backend. A layout that does not take a tensor (type or row count) is reported as such.
 
-Why ~540 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
-needs (buffer types, one MUL_MAT_ID graph), the timing, its per-CPU cache and the choice per
-type and phase sit together; llama.cpp is told the choice in llm.py.
+Why ~750 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
+needs (buffer types, one MUL_MAT_ID graph), the timing, its per-CPU cache, the loader's question
+per weight and the choice per type and phase sit together; llama.cpp is told the choice in llm.py.
 """
 
 from __future__ import annotations
@@ -43,13 +49,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from orchestrator.engine import progress
 from orchestrator.engine.calibrate import cache_path
 from orchestrator.engine.native import ggml_library
 
 REPACK_MODES = ("auto", "on", "off")
+# the CPU features SPAC_HIDE_CPU_FEATURES can hide, and the buffer type each one brings
+HIDE_ENV = "SPAC_HIDE_CPU_FEATURES"
+HIDEABLE = {"amx": "AMX"}
+MUL_MAT, MUL_MAT_ID = "MUL_MAT", "MUL_MAT_ID"
+# llama.cpp's loader asks a buffer type about a weight's op at this many tokens
+LOADER_TOKENS = 512
 REPACK_BUFT = "CPU_REPACK"
 EXACT_BUFT = "CPU_EXACT"
 # the batches a layout is timed at: one token (decoding, drafting), a verify pass, a prefill ubatch
@@ -102,6 +116,7 @@ def _bind() -> dict:
         "graph_overhead": fn(base, "ggml_graph_overhead", c_size_t),
         "new_tensor_2d": fn(base, "ggml_new_tensor_2d", p, p, c_int, c_int64, c_int64),
         "new_tensor_3d": fn(base, "ggml_new_tensor_3d", p, p, c_int, c_int64, c_int64, c_int64),
+        "new_tensor_4d": fn(base, "ggml_new_tensor_4d", p, p, c_int, c_int64, c_int64, c_int64, c_int64),
         "mul_mat": fn(base, "ggml_mul_mat", p, p, p, p),
         "mul_mat_id": fn(base, "ggml_mul_mat_id", p, p, p, p, p),
         "new_graph": fn(base, "ggml_new_graph", p, p),
@@ -109,6 +124,7 @@ def _bind() -> dict:
         "nbytes": fn(base, "ggml_nbytes", c_size_t, p),
         "quantize_chunk": fn(base, "ggml_quantize_chunk", c_size_t, c_int, p, p, c_int64, c_int64, c_int64, p),
         "alloc_ctx_tensors": fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", p, p, p),
+        "buft_alloc_buffer": fn(base, "ggml_backend_buft_alloc_buffer", p, p, c_size_t),
         "buffer_free": fn(base, "ggml_backend_buffer_free", None, p),
         "tensor_set": fn(base, "ggml_backend_tensor_set", None, p, p, c_size_t, c_size_t),
         "tensor_get": fn(base, "ggml_backend_tensor_get", None, p, p, c_size_t, c_size_t),
@@ -150,20 +166,42 @@ def batch_invariant_rows() -> int:
     return _lib()["get_batch_invariant_rows"]()
 
 
+def hidden_features() -> set[str]:
+    """The CPU features hidden from spac's choices by SPAC_HIDE_CPU_FEATURES (comma-separated):
+    `amx` takes AMX's buffer type out of every layout spac chooses and its flags out of
+    `cpu_model_and_flags`, so that a CPU with AMX runs as one without does (the tests' switch;
+    ISA levels below that are compiled in, and take a build of their own: scripts/test_avx2.sh)."""
+    names = {f.strip().lower() for f in os.environ.get(HIDE_ENV, "").split(",") if f.strip()}
+    unknown = names - set(HIDEABLE)
+    if unknown:
+        raise ValueError(f"{HIDE_ENV}: unknown feature {', '.join(sorted(unknown))} (known: {', '.join(HIDEABLE)})")
+    return names
+
+
 def cpu_buffer_types() -> dict[str, int]:
-    """The CPU device's buffer types by name: the plain one ("CPU") and llama.cpp's extra ones
-    (CPU_REPACK, and AMX or KleidiAI where the build and the CPU have them)."""
+    """The CPU device's buffer types by name, in llama.cpp's order: the plain one ("CPU") and
+    llama.cpp's extra ones (CPU_EXACT, AMX or KleidiAI where the build and the CPU have them,
+    CPU_REPACK), less those of hidden features."""
     g = _lib()
     dev = g["dev_by_type"](0)  # GGML_BACKEND_DEVICE_TYPE_CPU
     out = {"CPU": g["dev_buffer_type"](dev)}
     get = g["reg_get_proc_address"](g["dev_backend_reg"](dev), b"ggml_backend_dev_get_extra_bufts")
+    hidden = {HIDEABLE[f] for f in hidden_features()}
     if get:
         extra = ctypes.CFUNCTYPE(ctypes.POINTER(c_void_p), c_void_p)(get)(dev)
         i = 0
         while extra and extra[i]:
-            out[g["buft_name"](extra[i]).decode()] = extra[i]
+            name = g["buft_name"](extra[i]).decode()
+            if name not in hidden:
+                out[name] = extra[i]
             i += 1
     return out
+
+
+def usable_buffer_types(exact: bool) -> dict[str, int]:
+    """The CPU buffer types a layout may use: CPU_EXACT only in exact mode (out of it, llama.cpp's
+    own kernels and layouts, as stock llama.cpp has them)."""
+    return {name: buft for name, buft in cpu_buffer_types().items() if exact or name != EXACT_BUFT}
 
 
 def _device(name: str) -> int:
@@ -290,28 +328,44 @@ def matmul_output(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.n
         return result
 
 
-def supports(ggml_type: int, n_in: int, n_out: int, n_expert: int, buft: int) -> bool:
-    """Whether the buffer type takes a weight of this type and shape (no data, no compute)."""
+@functools.lru_cache(maxsize=4096)
+def supports(ggml_type: int, ne: tuple[int, ...], buft: int, op: str = MUL_MAT, n_used: int = 1) -> bool:
+    """Whether the buffer type takes a weight of this type and shape (ne, ggml's order) for `op`,
+    asked as llama.cpp's loader asks (weight_buft_supported): the op at LOADER_TOKENS tokens, the
+    weight in an empty buffer of the type, no data, no compute. MUL_MAT_ID: ne is
+    (n_in, n_out, n_expert) and n_used experts per token; MUL_MAT of a 3-D weight is batched over
+    its third dimension (DeepSeek's per-head attn_k_b and attn_v_b)."""
     g = _lib()
     dev = g["dev_by_type"](0)
     overhead = g["tensor_overhead"]()
-    ctx_w = g["init"](_InitParams(overhead * 2, None, True))
-    ctx = g["init"](_InitParams(overhead * 4, None, True))
+    ctx = g["init"](_InitParams(overhead * 8, None, True))
     buf = None
     try:
-        w = g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, max(n_expert, 1))
-        if n_expert:
-            x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, 1, 1)
-            op = g["mul_mat_id"](ctx, w, x, g["new_tensor_2d"](ctx, _GGML_TYPE_I32, 1, 1))
+        n_in, n_out, n_mat = (*ne, 1, 1)[:3]
+        w = g["new_tensor_3d"](ctx, ggml_type, n_in, n_out, n_mat)
+        if op == MUL_MAT_ID:
+            x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, n_used, LOADER_TOKENS)
+            node = g["mul_mat_id"](ctx, w, x, g["new_tensor_2d"](ctx, _GGML_TYPE_I32, n_used, LOADER_TOKENS))
         else:
-            op = g["mul_mat"](ctx, w, g["new_tensor_2d"](ctx, _GGML_TYPE_F32, n_in, 1))
-        buf = g["alloc_ctx_tensors"](ctx_w, buft)
-        return bool(buf) and bool(g["dev_supports_op"](dev, op))
+            node = g["mul_mat"](ctx, w, g["new_tensor_4d"](ctx, _GGML_TYPE_F32, n_in, LOADER_TOKENS, n_mat, 1))
+        buf = g["buft_alloc_buffer"](buft, 0)
+        if not buf:
+            return False
+        _TensorHead.from_address(w).buffer = buf
+        return bool(g["dev_supports_op"](dev, node))
     finally:
         if buf:
             g["buffer_free"](buf)
         g["free"](ctx)
-        g["free"](ctx_w)
+
+
+def weight_op(name: str, ne: list[int]) -> str | None:
+    """The op that reads a weight, as llama.cpp's tensor table has it, for the weights a layout can
+    place: the routed experts' MUL_MAT_ID, every other matrix's MUL_MAT; None for the token
+    embeddings (GET_ROWS) and vectors (norms, biases)."""
+    if len(ne) < 2 or name.startswith(("token_embd", "per_layer_token_embd")):
+        return None
+    return MUL_MAT_ID if "_exps" in name and len(ne) == 3 else MUL_MAT
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -355,25 +409,39 @@ class HostLayout:
     # repacked one, and a mapped file then turns that choice into plain CPU_Mapped; skipping the
     # host type (llama.cpp's --no-host) lets every weight it can repack be repacked
     no_host: bool = False
-    repacked: list[str] = field(default_factory=list)   # tensor names given CPU_REPACK (mode "auto")
+    repacked: list[str] = field(default_factory=list)   # tensor names given CPU_REPACK
     types: dict[str, TypeChoice] = field(default_factory=dict)
     dense: dict[str, DenseChoice] = field(default_factory=dict)
     placed: dict[str, list[str]] = field(default_factory=dict)  # other buffer types (CPU_EXACT, AMX): tensor names
     n_plain_twins: int = 0                      # repacked expert tensors with a plain twin for prefill
+    exact: bool = True                          # chosen for exact mode (CPU_EXACT is used only then)
+    # tensors whose type's chosen layout has no kernel for the op that reads them (DeepSeek's 3-D
+    # attn_k_b, MUL_MAT batched over heads): name -> the layout refused; they stay plain
+    fallbacks: dict[str, str] = field(default_factory=dict)
 
     def overrides(self) -> list[tuple[bytes, int]]:
-        """llama.cpp tensor-buffer overrides (regex, buffer type) putting `repacked` in CPU_REPACK."""
+        """llama.cpp tensor-buffer overrides (regex, buffer type) putting `repacked` in CPU_REPACK
+        and `placed` in theirs."""
         bufts = cpu_buffer_types()
-        return [(f"^({'|'.join(re.escape(n) for n in names)})$".encode(), bufts[buft])
+        return [(names_pattern(names), bufts[buft])
                 for buft, names in ((REPACK_BUFT, self.repacked), *self.placed.items()) if names]
 
+    def placement(self) -> dict[str, int]:
+        """Tensors per buffer type other than the plain one."""
+        return {b: len(n) for b, n in ((REPACK_BUFT, self.repacked), *self.placed.items()) if n}
+
     def report(self) -> str:
-        if self.mode != "auto":
-            return {"on": "CPU_EXACT for the types it takes, else repacked wherever llama.cpp can (--repack on)",
-                    "off": "plain (--repack off)"}[self.mode]
+        fallback = f"; {len(self.fallbacks)} tensors plain where their layout has no kernel for their op" \
+            if self.fallbacks else ""
+        if self.mode == "off":
+            return "plain (--repack off)"
+        if self.mode == "on":
+            placed = ", ".join(f"{b} {n}" for b, n in self.placement().items()) or "none"
+            first = "CPU_EXACT, then " if self.exact else ""
+            return f"each weight in the first of {first}llama.cpp's layouts that takes it: {placed} tensors (--repack on)"
         experts = "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
         dense = "; ".join(f"{c.type} {'plain' if c.buft == 'CPU' else c.buft} ({c.why})" for c in self.dense.values())
-        return f"{experts}; dense weights: {dense}" if dense else experts
+        return (f"{experts}; dense weights: {dense}" if dense else experts) + fallback
 
     def plain_prefill_types(self) -> list[int]:
         """ggml types whose repacked experts read a plain twin on prefill ubatches."""
@@ -384,14 +452,36 @@ class HostLayout:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},
                 "dense": {k: asdict(v) for k, v in self.dense.items()},
-                "n_repacked_tensors": len(self.repacked) if self.mode == "auto" else None,
+                "n_repacked_tensors": len(self.repacked) if self.mode != "off" else None,
+                "placement": self.placement(), "exact": self.exact, "fallbacks": self.fallbacks,
                 "n_plain_twins": self.n_plain_twins}
 
 
-def read_weights(path: str | Path) -> tuple[int, list[tuple[str, int, list[int]]]]:
-    """(experts used per token, [(name, ggml type, ne)] of every tensor) from the GGUF header,
-    read by ggml's own parser (gguf-py's reader parses the whole vocabulary: seconds on a
-    150k-token file)."""
+def names_pattern(names: list[str]) -> bytes:
+    """One regex matching exactly these tensor names, the layers of a name folded into one group
+    (llama.cpp compiles each override once per tensor it loads: a model's thousand names would be
+    a thousand alternatives)."""
+    layers: dict[str, set[str]] = {}
+    parts = []
+    for name in names:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        if m:
+            layers.setdefault(m[2], set()).add(m[1])
+        else:
+            parts.append(re.escape(name))
+    parts += [rf"blk\.({'|'.join(sorted(blocks, key=int))})\.{re.escape(rest)}" for rest, blocks in layers.items()]
+    return f"^({'|'.join(parts)})$".encode()
+
+
+class Weights(NamedTuple):
+    n_used: int                               # experts per token
+    tensors: list[tuple[str, int, list[int]]]  # (name, ggml type, ne) of every tensor
+    n_block: int                              # repeating layers (block_count)
+
+
+def read_weights(path: str | Path) -> Weights:
+    """The weights of a GGUF from its header, read by ggml's own parser (gguf-py's reader parses
+    the whole vocabulary: seconds on a 150k-token file)."""
     g = _lib()
     ctx = c_void_p()
     gguf_ctx = g["gguf_init"](str(path).encode(), _GGUFInitParams(True, ctypes.pointer(ctx)))
@@ -402,6 +492,8 @@ def read_weights(path: str | Path) -> tuple[int, list[tuple[str, int, list[int]]
         arch = g["gguf_get_val_str"](gguf_ctx, arch_key).decode() if arch_key >= 0 else ""
         used_key = g["gguf_find_key"](gguf_ctx, f"{arch}.expert_used_count".encode())
         n_used = int(g["gguf_get_val_u32"](gguf_ctx, used_key)) if used_key >= 0 else 1
+        block_key = g["gguf_find_key"](gguf_ctx, f"{arch}.block_count".encode())
+        n_block = int(g["gguf_get_val_u32"](gguf_ctx, block_key)) if block_key >= 0 else 0
         tensors = []
         t = g["first_tensor"](ctx)
         while t:
@@ -411,7 +503,7 @@ def read_weights(path: str | Path) -> tuple[int, list[tuple[str, int, list[int]]
                 ne.pop()
             tensors.append((g["get_name"](t).decode(), int(head.type), ne))
             t = g["next_tensor"](ctx, t)
-        return n_used, tensors
+        return Weights(n_used, tensors, n_block)
     finally:
         g["free"](ctx)
         g["gguf_free"](gguf_ctx)
@@ -433,6 +525,8 @@ def cpu_model_and_flags() -> tuple[str, set[str]]:
                 flags = set(value.split())
     except OSError:
         pass
+    for feature in hidden_features():
+        flags = {f for f in flags if not f.startswith(feature)}
     return model, flags
 
 
@@ -450,7 +544,8 @@ def repacked_buft(ggml_type: int, shapes: list[tuple[int, ...]], bufts: dict, ex
     else dense: (n_in, n_out)) would take: CPU_EXACT where it takes them all, else CPU_REPACK where
     it does (None: neither)."""
     for name in (EXACT_BUFT, REPACK_BUFT):
-        if name in bufts and all(supports(ggml_type, s[0], s[1], s[2] if experts else 0, bufts[name]) for s in shapes):
+        if name in bufts and all(supports(ggml_type, s[:3], bufts[name], MUL_MAT_ID, s[3]) if experts
+                                 else supports(ggml_type, s[:2], bufts[name]) for s in shapes):
             return name
     return None
 
@@ -484,14 +579,14 @@ def _timed_dense(ggml_type: int, shapes: list[tuple[int, int]], n_threads: int, 
     for name, buft in bufts.items():
         if exact and name not in ("CPU", EXACT_BUFT):
             continue
-        if not all(supports(ggml_type, n_in, n_out, 0, buft) for n_in, n_out in shapes):
+        if not all(supports(ggml_type, (n_in, n_out), buft) for n_in, n_out in shapes):
             continue
         out[name] = []
         for n_tokens in (DECODE_TOKENS, VERIFY_TOKENS, PREFILL_TOKENS):
             total = 0.0
             for n_in, n_out in shapes:
                 rows = min(n_out, MAX_BENCH_ROWS)
-                if rows < n_out and not supports(ggml_type, n_in, rows, 0, buft):
+                if rows < n_out and not supports(ggml_type, (n_in, rows), buft):
                     rows = n_out
                 t = time_matmul(ggml_type, n_in, rows, 0, 1, n_tokens, buft, n_threads)
                 total += t * 1e3 * (n_out / rows)
@@ -512,37 +607,76 @@ def dense_layout(ms: dict[str, list[float]]) -> str:
     return "CPU"
 
 
-def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool = False,
-           cache: Path | None = None) -> HostLayout:
-    """The host layout of the weights of the GGUF at `path` under `--repack mode`.
+def on_host(name: str, n_gpu_layers: int, n_block: int) -> bool:
+    """Whether llama.cpp keeps a weight in host memory with n_gpu_layers layers on a GPU (spac's
+    count: the last n repeating layers and the output; -1 every layer): the routed experts always
+    (--cpu-moe), the repeating layers below the offloaded ones, the input layer."""
+    if n_gpu_layers == 0 or "_exps" in name:
+        return True
+    block = re.match(r"blk\.(\d+)\.", name)
+    if block is None:
+        return name.startswith("token_embd")
+    return 0 <= n_gpu_layers and int(block[1]) < n_block - n_gpu_layers
 
-    offloaded: layers go to a GPU. llama.cpp's scheduler copies a large ubatch's host weights to
-    the GPU only from a host buffer, which neither CPU_REPACK nor CPU_EXACT is: experts of the
-    types CPU_EXACT takes go to it with plain twins (host buffers over the file's bytes) for a
-    prompt's ubatches, the others stay plain."""
+
+def first_taking(ggml_type: int, ne: list[int], op: str, n_used: int, bufts: dict[str, int]) -> str:
+    """llama.cpp's rule for a weight (select_weight_buft over its CPU list): the first extra
+    buffer type that takes it for its op, else the plain layout."""
+    for name, buft in bufts.items():
+        if name != "CPU" and supports(ggml_type, tuple(ne), buft, op, n_used):
+            return name
+    return "CPU"
+
+
+def choose(path: str | Path, n_threads: int, mode: str = "auto", n_gpu_layers: int = 0,
+           cache: Path | None = None, exact: bool | None = None) -> HostLayout:
+    """The host layout of the weights of the GGUF at `path` under `--repack mode`, for exact mode
+    or not (None: as the process's batch-invariant mode is set now, which the session sets before
+    it loads). Every weight a layout names is asked whether its buffer type takes the op that
+    reads it; the overrides name every placed tensor, and nothing else is repacked.
+
+    on: each host weight in the first buffer type of llama.cpp's list that takes it (its own
+    `--repack 1` rule): CPU_EXACT first in exact mode, else AMX, CPU_REPACK; out of exact mode
+    that is stock llama.cpp's placement.
+
+    n_gpu_layers != 0: layers go to a GPU. llama.cpp's scheduler copies a large ubatch's host weights to
+    the GPU only from a host buffer, which neither CPU_REPACK nor CPU_EXACT is: under auto,
+    experts of the types CPU_EXACT takes go to it in exact mode with plain twins (host buffers
+    over the file's bytes) for a prompt's ubatches, the others stay plain."""
     if mode not in REPACK_MODES:
         raise ValueError(f"--repack must be one of {', '.join(REPACK_MODES)}, not {mode!r}")
-    if mode != "auto":
-        return HostLayout(mode, use_extra_bufts=mode == "on", no_host=mode == "on")
+    exact = batch_invariant_rows() > 0 if exact is None else exact
+    if mode == "off":
+        return HostLayout(mode, use_extra_bufts=False, exact=exact)
     import gguf
 
-    bufts = cpu_buffer_types()
-    if REPACK_BUFT not in bufts and EXACT_BUFT not in bufts:
-        return HostLayout(mode, use_extra_bufts=False)
+    offloaded = n_gpu_layers != 0
+    bufts = usable_buffer_types(exact)
+    layout = HostLayout(mode, use_extra_bufts=False, no_host=mode == "on", exact=exact)
     try:
-        n_used, tensors = read_weights(path)
+        n_used, tensors, n_block = read_weights(path)
     except ValueError:  # not a GGUF ggml can read: llama.cpp's loader says why in its own words
-        return HostLayout(mode, use_extra_bufts=False)
+        return layout
+    host = [(name, t, ne, weight_op(name, ne)) for name, t, ne in tensors if on_host(name, n_gpu_layers, n_block)]
+    host = [w for w in host if w[3] is not None]
+    if mode == "on":
+        for name, ggml_type, ne, op in host:
+            buft = first_taking(ggml_type, ne, op, n_used, bufts)
+            if buft != "CPU":
+                (layout.repacked if buft == REPACK_BUFT else layout.placed.setdefault(buft, [])).append(name)
+        return layout
+    if REPACK_BUFT not in bufts and EXACT_BUFT not in bufts:
+        return layout
     experts: dict[int, set] = {}
     dense: dict[int, set] = {}
-    weights = []  # (name, type, shape) of every matrix a matmul reads
-    for name, ggml_type, shape in tensors:
-        if len(shape) < 2 or name.startswith("token_embd") or ggml_type in (0, 1, 30):  # F32, F16, BF16
+    weights = []  # (name, type, shape, op) of every matrix the choice may place
+    for name, ggml_type, shape, op in host:
+        if ggml_type in (0, 1, 30):  # F32, F16, BF16
             continue
-        if offloaded and "_exps" in name and (len(shape) != 3 or repacked_buft(ggml_type, [shape], bufts) != EXACT_BUFT):
+        if offloaded and (op != MUL_MAT_ID or repacked_buft(ggml_type, [(*shape, n_used)], bufts) != EXACT_BUFT):
             continue
-        weights.append((name, ggml_type, shape))
-        if "_exps" in name and len(shape) == 3:
+        weights.append((name, ggml_type, shape, op))
+        if op == MUL_MAT_ID:
             experts.setdefault(ggml_type, set()).add((shape[0], shape[1], shape[2], n_used))
         elif len(shape) == 2 and not offloaded:  # with a GPU the dense weights are on it
             dense.setdefault(ggml_type, set()).add((shape[0], shape[1]))
@@ -552,8 +686,8 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
     except (OSError, ValueError):
         cached = {}
     # exact mode changes what the plain layout computes with (CPU_EXACT's kernels or llama.cpp's)
-    key_base = f"{_cpu_key()}|{n_threads}|exact={batch_invariant_rows() > 0}"
-    layout = HostLayout(mode, use_extra_bufts=False)
+    # and which layouts may be chosen
+    key_base = f"{_cpu_key()}|{n_threads}|exact={exact}"
     for ggml_type, shapes in sorted(experts.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
         if offloaded:  # only CPU_EXACT's types, not timed: the host decodes exactly and fast, a prompt goes to the GPU
@@ -563,7 +697,8 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         buft = repacked_buft(ggml_type, sorted(shapes), bufts)
         key = f"{key_base}|{name}|{buft}|{sorted(shapes)}"
         if key not in cached:
-            plain, repacked = _timed(ggml_type, sorted(shapes), n_threads, bufts, buft)
+            with progress.phase(f"timing host layouts: {name} experts"):  # a cache miss: seconds on a large model
+                plain, repacked = _timed(ggml_type, sorted(shapes), n_threads, bufts, buft)
             cached[key] = {"plain_ms": plain, "repack_ms": repacked}
         plain, repacked = cached[key]["plain_ms"], cached[key]["repack_ms"]
         if repacked is None:
@@ -576,9 +711,15 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         layout.types[name] = choice
     for ggml_type, shapes in sorted(dense.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
+        # timed on the shapes some layout other than the plain one takes (a tiny model's output head
+        # of 484 rows fits no row group): the others stay plain, as fallbacks, whatever is chosen
+        shapes = {sh for sh in shapes if any(supports(ggml_type, sh, bufts[b]) for b in bufts if b != "CPU")}
+        if not shapes:
+            continue
         key = f"{key_base}|dense|{name}|{sorted(shapes)}"
         if key not in cached:
-            cached[key] = _timed_dense(ggml_type, sorted(shapes), n_threads, bufts)
+            with progress.phase(f"timing host layouts: {name} dense weights"):
+                cached[key] = _timed_dense(ggml_type, sorted(shapes), n_threads, bufts)
         ms = cached[key]
         if not ms:
             continue
@@ -597,13 +738,12 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", offloaded: bool
         pass  # a read-only cache dir only costs the measurement next time
     expert_buft = {gguf.GGMLQuantizationType[n].value: c.buft for n, c in layout.types.items() if c.repack}
     dense_buft = {gguf.GGMLQuantizationType[n].value: c.buft for n, c in layout.dense.items()}
-    for name, ggml_type, shape in weights:
-        if len(shape) == 3:
-            buft = expert_buft.get(ggml_type)
-            if buft and supports(ggml_type, *shape, bufts[buft]):
-                (layout.repacked if buft == REPACK_BUFT else layout.placed.setdefault(buft, [])).append(name)
-        elif dense_buft.get(ggml_type, "CPU") == REPACK_BUFT:
-            layout.repacked.append(name)
-        elif dense_buft.get(ggml_type, "CPU") != "CPU":
-            layout.placed.setdefault(dense_buft[ggml_type], []).append(name)
+    for name, ggml_type, shape, op in weights:
+        buft = (expert_buft if op == MUL_MAT_ID else dense_buft).get(ggml_type, "CPU")
+        if buft == "CPU":
+            continue
+        if not supports(ggml_type, tuple(shape), bufts[buft], op, n_used):
+            layout.fallbacks[name] = buft  # e.g. a 3-D MUL_MAT: that layout's kernels take matrices only
+            continue
+        (layout.repacked if buft == REPACK_BUFT else layout.placed.setdefault(buft, [])).append(name)
     return layout

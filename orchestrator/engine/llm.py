@@ -24,6 +24,7 @@ import llama_cpp as L
 
 from orchestrator.engine import host_layout
 from orchestrator.engine.native import ggml_device_api, ggml_library, model_plain_twins
+from orchestrator.engine.progress import report_fraction
 
 GGML_TYPE_F32 = 0
 _GGUF_MAGIC = b"GGUF"
@@ -120,13 +121,14 @@ class Model:
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
                  verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = (),
-                 tensor_split: tuple[float, ...] = (), mtp: bool = False):
+                 tensor_split: tuple[float, ...] = (), mtp: bool = False, exact: bool | None = None):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
         them (llama.cpp's --device; default: every GPU it sees), tensor_split their shares of the
         layers (llama.cpp's --tensor-split; default: in proportion to their free memory).
         repack: the host weights' layout, auto | on | off (`host_layout`; auto measures with
-        n_threads, the contexts' threads).
+        n_threads, the contexts' threads); exact: whether the layout is for exact mode (CPU_EXACT is
+        used only then; None: as the process's batch-invariant mode is set now).
         check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
         mmap=False: llama.cpp's --no-mmap (host weights read into memory; with a GPU, its pinned
         host buffers, which the GPU copies from several times faster than from a mapped file). The
@@ -138,7 +140,7 @@ class Model:
         self.path = check_gguf(path)
         self.ptr = None
         init_backend(verbose)
-        self.layout = host_layout.choose(self.path, n_threads, repack, offloaded=n_gpu_layers != 0)
+        self.layout = host_layout.choose(self.path, n_threads, repack, n_gpu_layers=n_gpu_layers, exact=exact)
         params = L.llama_model_default_params()
         # llama.cpp's -ngl counts the output layer too: N + 1 puts the last N repeating layers and the
         # output on the device (N alone would leave the first of them on the host)
@@ -163,7 +165,9 @@ class Model:
             self._overrides = (_TensorBuftOverride * (len(overrides) + 1))(*(_TensorBuftOverride(*o) for o in overrides))
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         with deferred_sigint() as interrupted:
-            progress = L.llama_progress_callback(lambda p, user_data: not interrupted())  # False aborts the load
+            # False aborts the load; the fraction goes to the progress display (engine/progress.py)
+            progress = L.llama_progress_callback(
+                lambda p, user_data: report_fraction(f"loading {self.path.name}", p) and not interrupted())
             params.progress_callback = progress
             _load_errors = [] if not verbose else None
             try:

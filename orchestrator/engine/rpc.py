@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -30,6 +31,12 @@ _ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _on_abort = None  # kept alive while ggml holds it
 
 
+def without_build_paths(text: str) -> str:
+    """ggml's message with each source location as file:line, without the directory of the
+    machine that compiled it ("/.../ggml/src/ggml-rpc/ggml-rpc.cpp:587" -> "ggml-rpc.cpp:587")."""
+    return re.sub(r"(?<![\w.])(?:[A-Za-z]:)?[/\\](?:[^\s:/\\]+[/\\])*([^\s:/\\]+\.(?:c|cc|cpp|h|hpp|cu|m):\d+)", r"\1", text)
+
+
 def _exit_on_ggml_abort() -> None:
     """ggml's RPC client aborts the process when a server stops answering mid-run: say so in one
     line and exit 2 instead of dying with SIGABRT and a backtrace (a hang is not possible: the
@@ -40,7 +47,7 @@ def _exit_on_ggml_abort() -> None:
 
     @_ABORT_CALLBACK
     def on_abort(message: bytes) -> None:
-        text = message.decode(errors="replace").strip()
+        text = without_build_paths(message.decode(errors="replace").strip())
         os.write(2, f"spac: error: --rpc: ggml stopped: {text} (did an RPC server stop or lose its network?)\n".encode())
         os._exit(2)
 

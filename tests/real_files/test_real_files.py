@@ -10,16 +10,21 @@ prompts, 16 greedy tokens, compared by token id:
     reference   transformers' greedy tokens (float32); on F32 files spac's must equal them, except
                 after a position where the reference's own top-1/top-2 margin is below EPS_REFERENCE
     stock       stock llama.cpp's `llama-simple` (its default: repacked weights) prints the same
-                bytes as spac's target-only run with --repack on
+                bytes as spac's target-only run with --no-exact --repack on (llama.cpp's kernels
+                in llama.cpp's layouts; on a CPU with AMX, AMX hidden: stock's build has it
+                compiled out, and the cell says so)
     target      spac target-only (--repack off: the layout every path below shares)
     pool10/25/50  the expert pool on a second CPU buffer with 10/25/50% of the expert bytes,
                 every MoE layer split between pool and host, autoregressive
     pool-draft  speculative, the target drafting through its pool (25%)
     q4_0-draft  speculative with the Q4_0 self-draft (pool 25%, its routing as the lookahead)
+    default     spac target-only with the default flags (--repack auto, exact mode on); where its
+                layouts sum in another order than --repack off's, the cell notes where the
+                texts part
+    <path> auto every path above again with the default flags, against `default`
 
-Every path must give the target's tokens exactly: the sessions' batch-invariant mode
-(SessionConfig.exact) computes a verify pass's rows as one-token decodes. The stock comparison runs
-spac with it off (--no-exact: llama.cpp's kernels, as llama-simple runs them). Every cell is listed
+Every path must give its target's tokens exactly: the sessions' batch-invariant mode
+(SessionConfig.exact) computes a verify pass's rows as one-token decodes. Every cell is listed
 in the table that the module writes to runs/real-files/<key>/table.md.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -48,9 +54,10 @@ from orchestrator.engine.native import NativeError  # noqa: E402
 from orchestrator.engine.pool import Budget, PoolDevice  # noqa: E402
 
 EPS_REFERENCE = 1e-3  # F32 file against float32 transformers: summation order only (~1e-5)
-PATHS = ["reference", "stock", "target", "pool10", "pool25", "pool50", "pool-draft", "q4_0-draft"]
 ENGINE_PATHS = {"pool10": (0.10, None), "pool25": (0.25, None), "pool50": (0.50, None),
                 "pool-draft": (0.25, POOL_DRAFT), "q4_0-draft": (0.25, "q4_0")}
+DEFAULT = "auto"  # the suffix of a path run with the default flags
+PATHS = ["reference", "stock", "target", *ENGINE_PATHS, "default", *(f"{p} {DEFAULT}" for p in ENGINE_PATHS)]
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -85,30 +92,18 @@ def margins_of(model_path: Path, prompt_tokens: list[int], tokens: list[int]) ->
 
 
 @contextlib.contextmanager
-def stock_repacking():
-    """--repack on as the stock build runs it. Stock llama.cpp is built with AMX compiled out (its
-    AMX matmul crashes unpatched, patch 0011), so where spac's build has AMX, llama.cpp's default
-    would put dense weights in AMX's layout; here every weight CPU_REPACK takes goes there instead,
-    which is what stock does."""
+def as_stock_build():
+    """spac's CPU buffer types as stock llama.cpp's build has them. Stock is built with AMX
+    compiled out (its AMX matmul crashes unpatched, patch 0011), so on a CPU with AMX spac's
+    choices run with it hidden (the switch users and tests have: SPAC_HIDE_CPU_FEATURES=amx).
+    Yields what the cell should say about it ("" where nothing was hidden)."""
     from orchestrator.engine import host_layout
 
     if "AMX" not in host_layout.cpu_buffer_types():
-        yield
+        yield ""
         return
-    real = host_layout.choose
-
-    def choose(path, n_threads, mode="auto", offloaded=False, cache=None):
-        if mode != "on":
-            return real(path, n_threads, mode, offloaded, cache)
-        repack = host_layout.cpu_buffer_types()[host_layout.REPACK_BUFT]
-        layout = host_layout.HostLayout("on", use_extra_bufts=False)
-        layout.repacked = [name for name, t, shape in host_layout.read_weights(path)[1]
-                           if len(shape) in (2, 3) and not name.startswith("token_embd")  # a GET_ROWS
-                           and host_layout.supports(t, *shape[:2], shape[2] if len(shape) == 3 else 0, repack)]
-        return layout
-
-    with mock.patch.object(host_layout, "choose", choose):
-        yield
+    with mock.patch.dict(os.environ, {host_layout.HIDE_ENV: "amx"}):
+        yield "AMX hidden: compiled out of stock's build"
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +212,7 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
         return b"".join(piece[t] for t in [*prompt_tokens, *tokens] if t not in eog)
 
     target = run_session(SessionConfig(**base, engine=False, repack="off"), prompts)
-    with stock_repacking():  # llama.cpp's kernels at every batch size, as llama-simple
+    with as_stock_build() as hidden:  # llama.cpp's kernels and layouts, as llama-simple runs them
         target_on = run_session(SessionConfig(**base, engine=False, repack="on", exact=False), prompts)
 
     # reference: spac's output is the reference's, up to an end-of-generation token
@@ -234,11 +229,11 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
         c.word = "tie" if ftype == "f32" else "quantized"
 
     # stock llama.cpp (llama-simple, repacked weights as upstream's default) against --repack on
-    c = cells["stock"] = Cell()
+    c = cells["stock"] = Cell(note=hidden)
     for p, (r, toks) in enumerate(zip(ref, target_on)):
         stock = stock_tokens_bytes(llama_simple, path, r["prompt"])
         if stock.rstrip(b"\n") != text_of(r["prompt_tokens"], toks).rstrip(b"\n"):
-            c.ok, c.first, c.note = False, (p, -1), f"stock {stock!r}"
+            c.ok, c.first, c.note = False, (p, -1), "; ".join(filter(None, (hidden, f"stock {stock!r}")))
             break
     if target_on != target:  # repacked kernels sum in another order: report where, with the margin
         p, i = first_mismatch(target_on, target)
@@ -248,25 +243,64 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
 
     cells["target"] = Cell(note=f"{sum(map(len, target))} tokens")
 
+    # the default flags (--repack auto, exact mode on): their own target-only run is the reference
+    # of their paths; where their layouts sum in another order than plain, say where the texts part
+    default = run_session(SessionConfig(**base, engine=False), prompts)
+    cells["default"] = Cell(note=f"{sum(map(len, default))} tokens")
+    if default != target:
+        p, i = first_mismatch(default, target)
+        m = margins_of(path, ref[p]["prompt_tokens"], target[p])[i]
+        cells["default"].note += f"; --repack off differs p{p}@{i}, margin {m:.2g}"
+
     for name, (ratio, drafting) in ENGINE_PATHS.items():
         d = None if drafting is None else POOL_DRAFT if drafting == POOL_DRAFT else draft
-        cfg = SessionConfig(**base, engine=True, pool=(PoolDevice("CPU", Budget(ratio=ratio)),), draft=d, gamma=4, repack="off")
-        try:
-            got = run_session(cfg, prompts)
-        except NativeError as e:
-            if "below one expert slot" not in str(e):
-                raise
-            cells[name] = Cell(note="n/a: below one expert slot")
-            continue
-        c = cells[name] = Cell()
-        mm = first_mismatch(got, target)
-        if mm is not None:
-            p, i = mm
-            c.ok, c.first = False, mm
-            c.margin = float(margins_of(path, ref[p]["prompt_tokens"], target[p])[i])
+        for column, flags, want in ((name, {"repack": "off"}, target), (f"{name} {DEFAULT}", {}, default)):
+            cfg = SessionConfig(**base, engine=True, pool=(PoolDevice("CPU", Budget(ratio=ratio)),), draft=d, gamma=4,
+                                **flags)
+            try:
+                got = run_session(cfg, prompts)
+            except NativeError as e:
+                if "below one expert slot" not in str(e):
+                    raise
+                cells[column] = Cell(note="n/a: below one expert slot")
+                continue
+            c = cells[column] = Cell()
+            mm = first_mismatch(got, want)
+            if mm is not None:
+                p, i = mm
+                c.ok, c.first = False, mm
+                c.margin = float(margins_of(path, ref[p]["prompt_tokens"], want[p])[i])
 
     bad = {p: c.text() for p, c in cells.items() if not c.ok}
     assert not bad, f"{arch} {ftype}: {bad}"
+
+
+def test_a_layout_with_no_kernel_for_a_weights_op_leaves_it_plain(files, tmp_path, monkeypatch):
+    """DeepSeek-V3's Q8_0 attn_k_b and attn_v_b are 3-D, read by a MUL_MAT batched over heads, which
+    no repacked layout computes: with the dense Q8_0 weights given CPU_EXACT (forced here, whatever
+    this CPU measured), `auto` keeps those two plain and says so, and the file runs (the default
+    layout once put them in CPU_EXACT, and the scheduler stopped: GGML_ASSERT(*cur_backend_id != -1))."""
+    from orchestrator.engine import host_layout
+
+    info = json.loads((files / "deepseek3" / "reference.json").read_text())
+    path = files / "deepseek3" / info["files"]["q8_0"]
+    monkeypatch.setenv("SPAC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(host_layout, "dense_layout", lambda ms: host_layout.EXACT_BUFT if host_layout.EXACT_BUFT in ms else "CPU")
+    model = Model(path, repack="auto", n_threads=2, exact=True)
+    try:
+        fallbacks = model.layout.fallbacks
+        batched = [n for n, _, ne in host_layout.read_weights(path).tensors if n.endswith(("attn_k_b.weight", "attn_v_b.weight"))]
+        assert batched and set(batched) <= set(fallbacks), fallbacks  # (and the 484-row output head: no row group)
+        assert set(fallbacks.values()) == {host_layout.EXACT_BUFT} and model.layout.placed[host_layout.EXACT_BUFT]
+        assert "plain where their layout has no kernel for their op" in model.layout.report()
+        ctx = Context(model, n_ctx=64, n_batch=16, n_threads=2)
+        try:
+            ctx.decode(model.tokenize(info["reference"][0]["prompt"]), logits_all=False)
+            assert np.isfinite(ctx.logits()[-1]).all()
+        finally:
+            ctx.close()
+    finally:
+        model.close()
 
 
 # ----------------------------------------------------------------------------- chat templates
