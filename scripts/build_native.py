@@ -5,6 +5,7 @@
     python scripts/build_native.py --cuda --cuda-arch 86
     python scripts/build_native.py --stock    # unpatched llama.cpp's llama-simple + llama-speculative-simple
     python scripts/build_native.py --sanitize address --python .venv-asan/bin/python   # see scripts/sanitize.sh
+    python scripts/build_native.py --cpu-variant avx2 --python .venv-avx2/bin/python   # see scripts/test_avx2.sh
 
 Steps: get the sdist pinned in vendor/llama-cpp-python.lock (pip download, sha256 checked),
 extract it to vendor/llama-cpp-python/ as a git repo with one commit per applied patch,
@@ -51,6 +52,18 @@ BASE_CMAKE_ARGS = [
     "-DLLAMA_BUILD_TOOLS=OFF",
     "-DLLAMA_BUILD_SERVER=OFF",
 ]
+
+
+# --cpu-variant: the host kernels built for a named x86 ISA level instead of -march=native (the
+# default build, GGML_NATIVE=ON), e.g. to test on an AVX-512 machine the kernels an AVX2-only
+# desktop runs. avx2 is ggml's own `haswell` variant (GGML_CPU_ALL_VARIANTS): AVX2, FMA, F16C and
+# BMI2 on, every AVX-512 and AMX option off (and AVX-VNNI, which Alder Lake has beside AVX2).
+CPU_VARIANTS = {
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF",
+             "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+             "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+}
 
 
 class BuildError(Exception):
@@ -106,6 +119,8 @@ def cmake_args(args: argparse.Namespace) -> list[str]:
         flag = args.sanitize.upper()
         out += [f"-DGGML_SANITIZE_{flag}=ON", f"-DLLAMA_SANITIZE_{flag}=ON", "-DGGML_OPENMP=OFF",
                 "-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
+    if args.cpu_variant:
+        out += CPU_VARIANTS[args.cpu_variant]
     if args.cuda:
         # "native" would need a GPU at build time; an explicit list builds anywhere nvcc exists
         out += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={args.cuda_arch}", *cuda_args(args.python)]
@@ -230,12 +245,30 @@ def installed_lib(python: str) -> Path | None:
     return libs[0] if libs else None
 
 
+def installed_variant(python: str) -> str | None:
+    """The --cpu-variant of the build whose libllama `python` imports (its stamp's record), None
+    for the native build or one that no stamp names (e.g. a copied package)."""
+    lib = installed_lib(python)
+    for stamp_file in sorted(VENDOR.glob("build-stamp*.json")) if lib else []:
+        try:
+            stamp = json.loads(stamp_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if stamp.get("lib") == str(lib):
+            return stamp.get("cpu_variant")
+    return None
+
+
 def stamp_path(args: argparse.Namespace) -> Path:
-    """One stamp per sanitizer variant, so that building one does not make the other stale."""
-    return STAMP.with_name(f"build-stamp-{args.sanitize}.json") if args.sanitize else STAMP
+    """One stamp per sanitizer and CPU variant (and pair of them), so that building one does not
+    make the others stale."""
+    variant = "-".join(filter(None, (args.sanitize, args.cpu_variant)))
+    return STAMP.with_name(f"build-stamp-{variant}.json") if variant else STAMP
 
 
-def up_to_date(key: str, python: str, stamp_file: Path = STAMP) -> bool:
+def up_to_date(key: str, python: str, stamp_file: Path = STAMP, cpu_variant: str | None = None) -> bool:
+    """The stamp holds this key, the installed library is the one it recorded, and it records the
+    CPU variant (which stock_program reads; a stamp written before it did is rewritten)."""
     if not stamp_file.exists():
         return False
     try:
@@ -244,7 +277,8 @@ def up_to_date(key: str, python: str, stamp_file: Path = STAMP) -> bool:
         return False
     lib = installed_lib(python)
     return (stamp.get("key") == key and lib is not None
-            and stamp.get("lib") == str(lib) and stamp.get("lib_mtime") == lib.stat().st_mtime)
+            and stamp.get("lib") == str(lib) and stamp.get("lib_mtime") == lib.stat().st_mtime
+            and stamp.get("cpu_variant") == cpu_variant)
 
 
 def fetch_sdist(lock: dict, python: str, sdist: Path | None, lock_file: Path = LOCK) -> Path:
@@ -353,22 +387,31 @@ STOCK_TARGETS = ("llama-simple", "llama-speculative-simple", "llama-bench", "lla
 def stock_program(name: str) -> Path:
     """The path of one of STOCK_TARGETS, built first where needed by `build_native.py --stock` in
     a process of its own (the build's output stays out of the caller's); for the benchmarks,
-    scripts and tests that run stock llama.cpp beside spac."""
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--stock"], capture_output=True, text=True)
+    scripts and tests that run stock llama.cpp beside spac. Built for the ISA of the spac build this
+    interpreter imports: where that is a --cpu-variant (scripts/test_avx2.sh), so is stock's
+    program, which is then built alone (the comparison of output bytes needs the same kernels on
+    both sides; the whole set would cost minutes more of CI)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--stock"]
+    variant = installed_variant(sys.executable)
+    if variant:
+        cmd += ["--cpu-variant", variant, "--stock-program", name]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"the stock build failed:\n{res.stderr[-3000:]}")
     return Path(res.stdout.strip().splitlines()[-1]).parent / name
 
 
-def build_stock(lock: dict, python: str, sdist: Path | None) -> Path:
-    """Build upstream's STOCK_TARGETS from the pinned sdist with no patch applied: the proof
-    that the GGUF files spac writes load in stock llama.cpp, and the peers spac's benchmarks
-    measure against. Cached under vendor/build/stock-<key>; returns llama-simple's
-    path (the other programs are beside it)."""
+def build_stock(lock: dict, python: str, sdist: Path | None, variant: str | None = None,
+                targets: tuple[str, ...] = STOCK_TARGETS) -> Path:
+    """Build upstream's STOCK_TARGETS (or `targets` of them) from the pinned sdist with no patch
+    applied: the proof that the GGUF files spac writes load in stock llama.cpp, and the peers
+    spac's benchmarks measure against; -march=native, or a --cpu-variant's ISA level. Cached under
+    vendor/build/stock[-<variant>]-<key>; returns the first target's path (the others are beside it)."""
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
-             *no_amx_args()]
-    return _build_programs(lock, LOCK, python, sdist, "stock", LLAMA_CPP_DIR, STOCK_TARGETS, cmake)
+             *(CPU_VARIANTS[variant] if variant else no_amx_args())]
+    name = f"stock-{variant}" if variant else "stock"
+    return _build_programs(lock, LOCK, python, sdist, name, LLAMA_CPP_DIR, targets, cmake)
 
 
 def build_ik(python: str) -> Path:
@@ -402,6 +445,7 @@ def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None
     exe = out / "bin" / targets[0]
     if all((out / "bin" / t).exists() for t in targets):
         return exe
+    targets = tuple(t for t in targets if not (out / "bin" / t).exists())  # a later call's other program
     sdist = fetch_sdist(lock, python, sdist, lock_file)
     src = out / "src"
     shutil.rmtree(src, ignore_errors=True)
@@ -510,7 +554,7 @@ def pip_install(python: str, cmake: list[str]) -> None:
         raise BuildError("pip install of the patched tree failed:\n" + "\n".join(tail))
 
 
-def main(argv: list[str] | None = None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=sys.executable, help="interpreter to install into (default: this one)")
     ap.add_argument("--cuda", action="store_true", help="build the CUDA backend (needs nvcc)")
@@ -521,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sanitize", choices=["address", "thread"],
                     help="build with AddressSanitizer or ThreadSanitizer (own build dir and stamp; install it "
                          "into its own venv with --python, see scripts/sanitize.sh)")
+    ap.add_argument("--cpu-variant", choices=sorted(CPU_VARIANTS),
+                    help="build the host kernels for this ISA level instead of -march=native (avx2: an "
+                         "AVX2-only desktop's; own build dir and stamp; install it into its own venv with "
+                         "--python, see scripts/test_avx2.sh)")
     ap.add_argument("--configure-only", action="store_true",
                     help="patch the tree and run CMake's configure step into the build dir, then stop "
                          "(checks a --cuda setup on a machine where the full compile would take hours)")
@@ -532,13 +580,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stock", action="store_true",
                     help="build unpatched llama.cpp's llama-simple, llama-speculative-simple, llama-bench and "
                          "llama-quantize (cached under vendor/build/) and print llama-simple's path")
+    ap.add_argument("--stock-program", choices=STOCK_TARGETS,
+                    help="with --stock: build this one program only (default: all four)")
     ap.add_argument("--ik", action="store_true",
                     help="build ik_llama.cpp's llama-bench (vendor/ik-llama-cpp-python.lock; cached under "
                          "vendor/build/), the host-kernel peer of bench/bench_cpu.py, and print its path")
     ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
     ap.add_argument("--export-patches", action="store_true",
                     help="write the commits of vendor/llama-cpp-python back to ggml-patches/")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arg_parser().parse_args(argv)
 
     t0 = time.monotonic()
     try:
@@ -550,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         lock = read_lock()
         if args.stock:
-            print(build_stock(lock, args.python, args.sdist))
+            targets = (args.stock_program,) if args.stock_program else STOCK_TARGETS
+            print(build_stock(lock, args.python, args.sdist, args.cpu_variant, targets))
             return 0
         patches = read_series(args.patches_dir)
         if args.check_patches:
@@ -562,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cmake = cmake_args(args)
         key = stamp_key(lock, patches, cmake, args.python)
-        if not (args.force or args.sdist) and up_to_date(key, args.python, stamp_path(args)):
+        if not (args.force or args.sdist) and up_to_date(key, args.python, stamp_path(args), args.cpu_variant):
             log(f"up to date ({len(patches)} patches), nothing to do")
             return 0
         sdist = fetch_sdist(lock, args.python, args.sdist)
@@ -578,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         lib = installed_lib(args.python)
         if lib is None:
             raise BuildError("llama_cpp is not importable after install")
-        stamp_path(args).write_text(json.dumps({"key": key, "lib": str(lib), "lib_mtime": lib.stat().st_mtime}) + "\n")
+        stamp_path(args).write_text(json.dumps({"key": key, "lib": str(lib), "lib_mtime": lib.stat().st_mtime,
+                                                "cpu_variant": args.cpu_variant}) + "\n")
         log(f"done in {time.monotonic() - t0:.0f} s")
         return 0
     except BuildError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -81,3 +82,53 @@ def test_a_patch_description_stops_where_its_diff_starts():
         description = patch_description(text)
         assert description and "\n--- a/" not in description and "diff --git" not in description, p
         assert text.startswith(description)
+
+
+def test_the_avx2_variant_has_its_own_isa_flags_build_dir_and_stamp():
+    """--cpu-variant avx2 (scripts/test_avx2.sh): -march=native off, AVX2/FMA/F16C on, every
+    AVX-512 and AMX option off; a build dir and a stamp of its own, so that building it leaves the
+    main build up to date and the other way round (also beside a sanitizer). No build here."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_native as bn
+
+    main = bn.arg_parser().parse_args([])
+    avx2 = bn.arg_parser().parse_args(["--cpu-variant", "avx2", "--python", ".venv-avx2/bin/python"])
+    flags = bn.cmake_args(avx2)
+    assert bn.cmake_args(main) == [a for a in flags if a not in bn.CPU_VARIANTS["avx2"]]
+    on = {a[2:-3] for a in flags if a.endswith("=ON")}
+    off = {a[2:-4] for a in flags if a.endswith("=OFF")}
+    assert {"GGML_AVX2", "GGML_FMA", "GGML_F16C"} <= on and "GGML_NATIVE" in off
+    # every AVX-512 and AMX option ggml has, read from its CMakeLists: none left to its default
+    text = (ROOT / "vendor" / "llama-cpp-python" / "vendor" / "llama.cpp" / "ggml" / "CMakeLists.txt").read_text()
+    isa = set(re.findall(r"option\((GGML_(?:AVX512\w*|AMX_\w+|AVX_VNNI))\b", text))
+    assert len(isa) >= 8 and isa <= off, isa - off
+    # a --cmake-arg comes after the variant's, so it overrides one of them
+    assert bn.cmake_args(bn.arg_parser().parse_args(["--cpu-variant", "avx2", "--cmake-arg=-DGGML_BMI2=OFF"]))[-1] \
+        == "-DGGML_BMI2=OFF"
+    assert bn.build_dir_of(flags) != bn.build_dir_of(bn.cmake_args(main))
+    asan = bn.arg_parser().parse_args(["--sanitize", "address"])
+    asan_avx2 = bn.arg_parser().parse_args(["--sanitize", "address", "--cpu-variant", "avx2"])
+    stamps = {bn.stamp_path(a) for a in (main, avx2, asan, asan_avx2)}
+    assert len(stamps) == 4 and bn.stamp_path(main) == bn.STAMP
+    assert bn.stamp_path(avx2) == bn.STAMP.with_name("build-stamp-avx2.json")
+
+
+def test_stock_programs_follow_the_cpu_variant_of_the_installed_build(tmp_path, monkeypatch):
+    """stock_program builds stock llama.cpp for the ISA of the spac build the interpreter imports
+    (the real-files tests compare output bytes, which needs the same kernels on both sides): the
+    variant is read from the stamp that recorded the installed libllama. No build here."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_native as bn
+
+    lib = tmp_path / "venv" / "libllama.so"
+    monkeypatch.setattr(bn, "VENDOR", tmp_path)
+    monkeypatch.setattr(bn, "installed_lib", lambda python: lib if python == "variant" else tmp_path / "other.so")
+    (tmp_path / "build-stamp.json").write_text(json.dumps({"lib": str(tmp_path / "main.so")}))  # older: no record
+    (tmp_path / "build-stamp-avx2.json").write_text(json.dumps({"lib": str(lib), "cpu_variant": "avx2"}))
+    assert bn.installed_variant("variant") == "avx2" and bn.installed_variant("main") is None
+    calls = []
+    monkeypatch.setattr(bn, "installed_variant", lambda python: "avx2")
+    monkeypatch.setattr(bn.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0, stdout="/x/stock-avx2-0123456789/bin/llama-simple\n", stderr=""))
+    assert bn.stock_program("llama-simple") == Path("/x/stock-avx2-0123456789/bin/llama-simple")
+    assert calls[0][2:] == ["--stock", "--cpu-variant", "avx2", "--stock-program", "llama-simple"]
