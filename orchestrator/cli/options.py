@@ -23,7 +23,7 @@ config. Also:
 
 Why ~330 lines: every shared flag, its check and its error text sit in one table here so that
 no command re-declares them; what the options make (cli/setup.py), the placement
-(engine/placement.py) and the commands (cli/main.py) are separate.
+(runtime/placement.py) and the commands (cli/main.py) are separate.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import psutil
 import typer
 
 from orchestrator.decoding.sampling import SamplingParams
-from orchestrator.engine.pool import Budget, PoolDevice, StreamPrefill
-from orchestrator.engine.rpc import parse_endpoint
+from orchestrator.runtime.pool import Budget, PoolDevice, StreamPrefill
+from orchestrator.runtime.rpc import parse_endpoint
 from orchestrator.policies.spac import Ablations
 
 EXIT_USAGE = 2
@@ -123,7 +123,7 @@ class _Opt:
 # one declaration per knob: name → group, type, default, flags and help (llama.cpp's names)
 OPTIONS: dict[str, _Opt] = {
     "model": _Opt("model", Optional[Path], None, typer.Option(
-        "-m", "--model", help="target MoE GGUF \\[default: the shipped model, orchestrator/models/MANIFEST.json]", show_default=False)),
+        "-m", "--model", help="target MoE GGUF \\[default: the shipped model, orchestrator/shipped_models/MANIFEST.json]", show_default=False)),
     "model_draft": _Opt("model", Optional[Path], None, typer.Option(
         "-md", "--model-draft", help="draft GGUF (same vocabulary) \\[default: the shipped draft of the shipped target]",
         show_default=False)),
@@ -166,7 +166,7 @@ OPTIONS: dict[str, _Opt] = {
         "-ub", "--ubatch-size", help="tokens per prompt-processing pass (llama.cpp's -b and -ub at once), or auto: "
         "llama.cpp's 512, longer with a streamed prefill, which copies each non-resident expert once per pass, as far "
         "as the pass's compute buffer fits (the run header says the choice; spac sim prefill)")),
-    "engine": _Opt("model", Optional[bool], None, typer.Option(
+    "expert_engine": _Opt("model", Optional[bool], None, typer.Option(
         "--engine/--no-engine", help="expert pool on/off \\[default: on when built and a pool device exists]",
         show_default=False)),
     "stream_prefill": _Opt("model", str, "auto", typer.Option(
@@ -216,10 +216,10 @@ class RunOptions:
     rpc: tuple[str, ...] = ()    # RPC servers' HOST:PORT
     n_gpu_layers: str = "auto"  # "auto", "all" or a number
     threads: int = _DEFAULT_THREADS
-    repack: str = "auto"         # auto | on | off (orchestrator.engine.host_layout)
+    repack: str = "auto"         # auto | on | off (orchestrator.runtime.host_layout)
     ctx_size: int = 0
-    ubatch_size: int = 0         # 0: auto (the placement's choice, orchestrator.engine.ubatch)
-    engine: bool | None = None
+    ubatch_size: int = 0         # 0: auto (the placement's choice, orchestrator.runtime.ubatch)
+    expert_engine: bool | None = None
     stream_prefill: StreamPrefill = StreamPrefill.AUTO
     exact: bool = True
     check_tensors: bool = False
@@ -301,7 +301,7 @@ class RunOptions:
         for path, flag in ((v["model"], "-m/--model"), (v["model_draft"], "-md/--model-draft")):
             if path is not None and str(path) == "":
                 fail(f"{flag} is empty")
-        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=ubatch, engine=v["engine"],
+        return cls(model=v["model"], model_draft=v["model_draft"], draft=v["draft"], draft_max=v["draft_max"], pool=pool, rpc=rpc, n_gpu_layers=ngl, threads=threads, repack=v["repack"], ctx_size=v["ctx_size"], ubatch_size=ubatch, expert_engine=v["expert_engine"],
                    stream_prefill=stream, exact=v["exact"],
                    check_tensors=v["check_tensors"], mmap=v["mmap"], pin_mapping=v["pin_mapping"], recalibrate=v["recalibrate"], verbose=v["verbose"],
                    temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], seed=seed, seed_random=seed_random,

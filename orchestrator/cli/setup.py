@@ -5,7 +5,7 @@
 
 `resolve_models` picks the target and the draft (-m/-md, the shipped models, else the pool
 draft); `session_setup` checks the files, lists the devices (registering --rpc servers first),
-places the weights (engine/placement.py) and returns the SessionConfig with a note per decision.
+places the weights (runtime/placement.py) and returns the SessionConfig with a note per decision.
 """
 
 from __future__ import annotations
@@ -15,29 +15,29 @@ from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator import models
+from orchestrator import shipped_models
 from orchestrator.cli.options import RunOptions, fail
 from orchestrator.decoding.mtp_draft import MTP_DRAFT
 from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
-from orchestrator.engine import progress
-from orchestrator.engine.llm import ModelError, check_gguf
-from orchestrator.engine.native import NativeError, engine_built
-from orchestrator.engine.placement import (GPU, PlacementError, devices, first_gpu, model_sizes, place, place_several,
+from orchestrator.runtime import progress
+from orchestrator.runtime.llm import ModelError, check_gguf
+from orchestrator.runtime.native import NativeError, engine_built
+from orchestrator.runtime.placement import (GPU, PlacementError, devices, first_gpu, model_sizes, place, place_several,
                                            recurrent_states)
-from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
-from orchestrator.engine.rpc import register_servers
+from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
+from orchestrator.runtime.rpc import register_servers
 
 
 def default_models(models_dir: Path | None = None) -> tuple[Path | None, Path | None]:
-    """(target, default draft) of the shipped models (`orchestrator.models`), or (None, None)
+    """(target, default draft) of the shipped models (`orchestrator.shipped_models`), or (None, None)
     when there is no manifest; the draft is None if the manifest names none."""
-    models_dir = models_dir or models.MODELS_DIR
+    models_dir = models_dir or shipped_models.MODELS_DIR
     try:
-        target = models.default_model("target", models_dir)
+        target = shipped_models.default_model("target", models_dir)
     except (OSError, KeyError, ValueError):
         return None, None
     try:
-        draft = models.default_model("draft", models_dir)
+        draft = shipped_models.default_model("draft", models_dir)
     except (KeyError, ValueError):
         draft = None
     return target, draft
@@ -49,8 +49,8 @@ def _is_shipped_target(path: Path, target: Path) -> bool:
     try:
         if path.resolve() == target.resolve():
             return True
-        entry = next(f for f in models.manifest(target.parent)["files"] if f["role"] == "target")
-        return path.stat().st_size == entry["bytes"] and models.sha256_file(path) == entry["sha256"]
+        entry = next(f for f in shipped_models.manifest(target.parent)["files"] if f["role"] == "target")
+        return path.stat().st_size == entry["bytes"] and shipped_models.sha256_file(path) == entry["sha256"]
     except (OSError, KeyError, StopIteration, ValueError):
         return False
 
@@ -65,7 +65,7 @@ def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
         draft = POOL_DRAFT if opts.draft == "pool" else MTP_DRAFT
     if model is None:
         if shipped_target is None:
-            fail("no model given (-m) and no shipped default models (orchestrator/models/MANIFEST.json is missing)")
+            fail("no model given (-m) and no shipped default models (orchestrator/shipped_models/MANIFEST.json is missing)")
         model = shipped_target
         draft = draft or shipped_draft
     elif draft is None:
@@ -106,7 +106,7 @@ def session_setup(opts: RunOptions) -> Setup:
     except Exception as e:  # noqa: BLE001 - the gguf reader raises many kinds on a damaged file
         fail(f"{model}: cannot read the GGUF header ({type(e).__name__}: {e})")
     n_ctx = opts.ctx_size or sizes.n_ctx_train or 4096
-    engine = opts.engine
+    engine = opts.expert_engine
     if engine is None and any(d.name is not None or not d.budget.auto for d in opts.pool):
         engine = True  # asked for a pool: failing to make one is an error, not a silent fallback
     built = engine_built()
@@ -175,7 +175,7 @@ def session_setup(opts: RunOptions) -> Setup:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
     cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size or p.ubatch,
                         n_threads=opts.threads,
-                        repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine,
+                        repack=opts.repack, n_gpu_layers=p.n_gpu_layers, expert_engine=False if off else engine,
                         pool=p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),),
                         stream_prefill=opts.stream_prefill if p.stream_prefill else StreamPrefill.OFF,
                         tensor_split=p.tensor_split,
@@ -188,7 +188,7 @@ def session_setup(opts: RunOptions) -> Setup:
 def open_session(opts: RunOptions, err: Console | None = None, plain_progress: bool = False):
     """(Session, Setup), or one clear line and exit 2 (bad file, vocabulary mismatch, engine).
     Ctrl-C while loading raises KeyboardInterrupt (never lost in a native callback). The loading's
-    phases are shown on stderr (engine/progress.py): live on `err` when it is a terminal, else, or
+    phases are shown on stderr (runtime/progress.py): live on `err` when it is a terminal, else, or
     with plain_progress (--json), as plain lines."""
     setup = session_setup(opts)
     try:

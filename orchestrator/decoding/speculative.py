@@ -44,13 +44,13 @@ from orchestrator.decoding.metrics import RunMetrics, RunRecorder
 from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft, require_mtp
 from orchestrator.decoding.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
 from orchestrator.decoding.text import ChatTemplate, TextStream, check_vocab
-from orchestrator.engine import calibrate
-from orchestrator.engine.host_layout import set_batch_invariant_rows
-from orchestrator.engine.llm import DEFAULT_REPACK, Context, Model, ModelError
-from orchestrator.engine.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
+from orchestrator.runtime import calibrate
+from orchestrator.runtime.host_layout import set_batch_invariant_rows
+from orchestrator.runtime.llm import DEFAULT_REPACK, Context, Model, ModelError
+from orchestrator.runtime.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
                                         model_layer_devices, model_moe_layers)
-from orchestrator.engine.placement import PlacementError, pool_layer_ranges
-from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
+from orchestrator.runtime.placement import PlacementError, pool_layer_ranges
+from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.plan import Plan, StepRouting
@@ -93,10 +93,10 @@ class SessionConfig:
     n_threads: int = 2
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
-    repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.engine.host_layout)
+    repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.runtime.host_layout)
     mmap: bool = True  # False: llama.cpp's --no-mmap (a GPU's pinned host buffers: faster pool copies)
     pin_mapping: bool = False  # the mapped file's experts registered as the pool device's pinned memory
-    engine: bool | None = None   # None: on when the native engine is built, else off
+    expert_engine: bool | None = None  # the expert pool (ExpertEngine); None: on when built, else off
     # the pool's devices with their budgets: "CPU" (the test device, a second host buffer) or ggml
     # names; several: llama.cpp's layer split puts a range of layers on each, and each pool holds
     # its own layers' experts (a budget ratio is a share of those)
@@ -177,7 +177,7 @@ class Session:
                                   tensor_split=cfg.tensor_split if on_gpu else (), mtp=mtp)
         pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
         if pool_draft:
-            self.draft = self.target if self.target.n_expert and cfg.engine is not False else None
+            self.draft = self.target if self.target.n_expert and cfg.expert_engine is not False else None
         elif mtp:  # the head is the target's: its model, its vocabulary
             require_mtp(self.target)
             self.draft = self.target
@@ -205,9 +205,9 @@ class Session:
         self.gamma = cfg.gamma if self.draft is not None else 0
         self.governor = Governor(GovernorConfig(gamma_max=self.gamma)) if cfg.adaptive_gamma and self.gamma else None
         self.chat_template = ChatTemplate.from_model(self.target)
-        if cfg.engine is not False and self.target.n_expert:
+        if cfg.expert_engine is not False and self.target.n_expert:
             self._open_engine(cfg)
-        elif cfg.engine and not self.target.n_expert:
+        elif cfg.expert_engine and not self.target.n_expert:
             self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
         if pool_draft and self.engine is None:  # no pool, no pool draft: decode autoregressively
             self._drop_draft()
@@ -258,7 +258,7 @@ class Session:
                 self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=one.name, budget_bytes=one.budget.nbytes,
                                            budget_ratio=one.budget.ratio, **engine_args)
         except (NativeError, PlacementError) as e:
-            if cfg.engine:
+            if cfg.expert_engine:
                 raise
             self.engine_note = f"expert engine off: {e}"
             return

@@ -22,9 +22,9 @@ import numpy as np
 
 import llama_cpp as L
 
-from orchestrator.engine import host_layout
-from orchestrator.engine.native import ggml_device_api, ggml_library, model_plain_twins
-from orchestrator.engine.progress import report_fraction
+from orchestrator.runtime import host_layout
+from orchestrator.runtime.native import ggml_device_api, ggml_library, model_plain_twins
+from orchestrator.runtime.progress import report_fraction
 
 GGML_TYPE_F32 = 0
 _GGUF_MAGIC = b"GGUF"
@@ -78,7 +78,7 @@ def _silence_logs() -> None:
     L.llama_log_set(_quiet_log, ctypes.c_void_p())
 
 
-# the host weights' layout (orchestrator.engine.host_layout): "auto" repacks each tensor type where this
+# the host weights' layout (orchestrator.runtime.host_layout): "auto" repacks each tensor type where this
 # CPU's measurement says decoding is faster repacked; "on" is llama.cpp's default (every weight its
 # extra CPU buffer types take), "off" the plain layout (the test device's bit-identical checks)
 DEFAULT_REPACK = "auto"
@@ -165,7 +165,7 @@ class Model:
             self._overrides = (_TensorBuftOverride * (len(overrides) + 1))(*(_TensorBuftOverride(*o) for o in overrides))
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         with deferred_sigint() as interrupted:
-            # False aborts the load; the fraction goes to the progress display (engine/progress.py)
+            # False aborts the load; the fraction goes to the progress display (runtime/progress.py)
             progress = L.llama_progress_callback(
                 lambda p, user_data: report_fraction(f"loading {self.path.name}", p) and not interrupted())
             params.progress_callback = progress

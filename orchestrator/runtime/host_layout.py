@@ -53,9 +53,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.engine import progress
-from orchestrator.engine.calibrate import cache_path
-from orchestrator.engine.native import ggml_library
+from orchestrator.runtime import progress
+from orchestrator.runtime.calibrate import cache_path
+from orchestrator.runtime.native import ggml_library
 
 REPACK_MODES = ("auto", "on", "off")
 # the CPU features SPAC_HIDE_CPU_FEATURES can hide, and the buffer type each one brings
