@@ -112,7 +112,7 @@ def test_run_options_decorator_adds_the_shared_flags_once():
     assert r.exit_code == 0, r.output
     opts = seen["opts"]
     assert seen["port"] == 1 and opts.temp == 0 and opts.seed == 5 and not opts.seed_random
-    assert opts.threads == OPTIONS["threads"].default and opts.draft_max == 3
+    assert opts.threads == OPTIONS["threads"].default and opts.config.gamma == 3
     assert opts.pool == (PoolDevice(None, Budget()),)
 
 
@@ -214,11 +214,11 @@ def test_a_session_on_a_gpu_without_room_for_staging_streams_nothing_and_says_wh
     # a "GPU" with room for a pool of one slot per layer and half the staging slots
     gpu = GPU("CUDA0", free=used + MARGIN + s.one_expert * s.n_layer + s.staging_bytes // 2, total=8 * GiB)
     monkeypatch.setattr(setup_module, "first_gpu", lambda: gpu)
-    setup = session_setup(RunOptions(model=target, ctx_size=512))
+    setup = session_setup(RunOptions.of(model=target, n_ctx=512))
     assert setup.config.stream_prefill == "off" and setup.config.pool[0].name == "CUDA0"
     assert any("streamed prefill off" in n for n in setup.notes)
     with pytest.raises(typer.Exit) as e:
-        session_setup(RunOptions(model=target, ctx_size=512, stream_prefill="ahead"))
+        session_setup(RunOptions.of(model=target, n_ctx=512, stream_prefill="ahead"))
     assert e.value.exit_code == 2
 
 
@@ -414,13 +414,13 @@ def test_dry_run_of_a_hybrid_counts_its_states(tmp_path, monkeypatch):
     s = model_sizes(path)
     monkeypatch.setattr(setup_module, "first_gpu", lambda: GPU("CUDA0", 8 * GiB, 8 * GiB))
     monkeypatch.setattr(setup_module, "devices", lambda: [("CUDA0", 1, 8 * GiB, 8 * GiB)])
-    setup = session_setup(RunOptions(model=path, ctx_size=512, draft_max=6))
+    setup = session_setup(RunOptions.of(model=path, n_ctx=512, gamma=6))
     assert setup.state_bytes == (1 + 6 + 2) * s.state_bytes and "recurrent state" in setup.notes[-1]
-    assert session_setup(RunOptions(model=path, ctx_size=512, draft="none")).state_bytes == s.state_bytes
+    assert session_setup(RunOptions.of(model=path, n_ctx=512, draft="none")).state_bytes == s.state_bytes
     monkeypatch.setattr(setup_module, "first_gpu", lambda: None)
     monkeypatch.setattr(setup_module, "devices", lambda: [])
-    off = session_setup(RunOptions(model=path, ctx_size=512))
-    assert off.config.draft is None and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
+    off = session_setup(RunOptions.of(model=path, n_ctx=512))
+    assert off.config.draft.none and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
 
 
 @pytest.mark.skipif(not engine_built(), reason="native engine not built")

@@ -217,15 +217,15 @@ def test_options_default_to_the_pool_draft(models):
     from orchestrator.cli.setup import session_setup
 
     def setup(**kw):
-        return session_setup(RunOptions(model=models["target"], **kw))
+        return session_setup(RunOptions.of(model=models["target"], **kw))
 
     assert setup(pool=(PoolDevice("CPU"),)).config.draft == POOL_DRAFT
     assert setup(pool=(PoolDevice("CPU"),), draft="pool").config.draft == POOL_DRAFT
     s = setup(pool=(PoolDevice("CPU"),), draft="none")
-    assert s.config.draft is None and "no draft (--draft none)" in s.notes
+    assert s.config.draft.none and "no draft (--draft none)" in s.notes
     s = setup(expert_engine=False)
-    assert s.config.draft is None and any("no draft (-md" in n for n in s.notes)
-    assert setup(pool=(PoolDevice("CPU"),), model_draft=models["self_draft"]).config.draft == models["self_draft"]
+    assert s.config.draft.none and any("no draft (-md" in n for n in s.notes)
+    assert setup(pool=(PoolDevice("CPU"),), model_draft=models["self_draft"]).config.draft.path == models["self_draft"]
 
 
 def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:

@@ -86,7 +86,7 @@ def _describe(session, setup) -> str:
     """The header: models, γ, placement, ablations — one line."""
     parts = [session.target.path.name]
     if session.draft is not None:
-        name = session.cfg.draft if session.draft is session.target else session.draft.path.name  # pool, mtp
+        name = session.draft_kind.value if session.cfg.draft.is_target else session.draft.path.name  # pool, mtp
         parts.append(f"draft {name}, γ={session.gamma}")
     else:
         parts.append("autoregressive")
@@ -183,7 +183,7 @@ def generate(
     if dry_run:
         setup = session_setup(opts)
         cfg = setup.config
-        info = {"model": str(cfg.model), "draft": str(cfg.draft) if cfg.draft else None, "gamma": cfg.gamma if cfg.draft else 0,
+        info = {"model": str(cfg.model), "draft": None if cfg.draft.none else str(cfg.draft), "gamma": 0 if cfg.draft.none else cfg.gamma,
                 "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.pool[0].name if cfg.expert_engine is not False else None,
                 "budget_bytes": cfg.pool[0].budget.nbytes, "budget_ratio": cfg.pool[0].budget.ratio,
                 "pool_devices": [{"name": d.name, "budget_bytes": d.budget.nbytes, "budget_ratio": d.budget.ratio}
@@ -222,7 +222,7 @@ def generate(
             # tokens: the generated ids, as llama-server's /completion returns them (`return_tokens`);
             # random weights decode to text that hides what was generated
             out = {"text": session.last_text, "tokens": session.last_tokens, "model": str(session.target.path),
-                   "draft": (None if session.draft is None else session.cfg.draft if session.draft is session.target
+                   "draft": (None if session.draft is None else session.draft_kind.value if session.cfg.draft.is_target
                              else str(session.draft.path)),
                    "engine": session.engine is not None, **_run_info(session, setup, opts), **m.to_dict()}
             _write(json.dumps(out) + "\n")
@@ -369,7 +369,7 @@ def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> 
 @run_options("model")
 def calibrate(*, opts: RunOptions) -> None:
     """Measure the unit costs of the workload balancer again and print them as JSON."""
-    opts = replace(opts, recalibrate=True, expert_engine=True, ablations=())
+    opts = opts.replace(recalibrate=True, expert_engine=True, ablations=())
     try:
         session, _ = open_session(opts, err)
     except KeyboardInterrupt:

@@ -64,7 +64,7 @@ def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"
         raise typer.BadParameter("give --prompt or --prompts-file", param_hint="--prompt")
     if opts.pool[0].name is None and first_gpu() is None:  # no --device and no GPU: the CPU test device
         opts = replace(opts, pool=(replace(opts.pool[0], name="CPU"),))
-    session, _ = open_session(replace(opts, expert_engine=True), err_console)
+    session, _ = open_session(opts.replace(expert_engine=True), err_console)
     try:
         with working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), session:
             t = record_trace(session, out, texts, n_predict)
