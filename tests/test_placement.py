@@ -116,6 +116,33 @@ def test_run_options_decorator_adds_the_shared_flags_once():
     assert opts.pool == (PoolDevice(None, Budget()),)
 
 
+def test_a_flag_declared_once_reaches_the_command_the_options_and_the_session_config():
+    """--spec-draft-n-min is declared once, on SessionConfig.gamma_min (orchestrator/option.py):
+    the typer command has it (both names), RunOptions carries it checked, SessionConfig takes it."""
+    from orchestrator.decoding.speculative import SessionConfig
+    from orchestrator.option import declared
+
+    assert "gamma_min" in {name for name, _, _ in declared(SessionConfig)} and "gamma_min" in OPTIONS
+    seen = {}
+
+    @run_options("model")
+    def cmd(*, opts: RunOptions) -> None:
+        seen["opts"] = opts
+
+    app = typer.Typer()
+    app.command()(cmd)
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["--help"])
+    assert "--spec-draft-n-min" in r.output and "--draft-min" in r.output
+    r = CliRunner().invoke(app, ["--draft-min", "2", "--spec-draft-n-max", "5"])
+    assert r.exit_code == 0, r.output
+    assert seen["opts"].config.gamma_min == 2 and seen["opts"].config.gamma == 5
+    r = CliRunner().invoke(app, ["--spec-draft-n-min", "-1"])
+    assert r.exit_code == 2 and "--spec-draft-n-min/--draft-min must be >= 0" in r.output + str(r.stderr_bytes or b"")
+    assert RunOptions.of(gamma_min=1).replace(gamma_min=3).config.gamma_min == 3
+
+
 OFFLOAD_CHECK = """
 import sys
 from pathlib import Path

@@ -11,18 +11,20 @@ option block of `generate`, `chat`, `calibrate` (and `serve`, `trace record`) de
         print(setup.notes)                     # header lines: why no draft, where the pool went
         session.generate(prompt, 128, opts.stop, opts.sampling())
 
-`OPTIONS` holds each knob once (flags, type, default, help, in llama.cpp's names);
-`run_options` adds the chosen groups to a typer command and hands it one checked `RunOptions`
-(`RunOptions.from_cli`: every value valid, --expert-budget parsed once into a `Budget`, the seed
-drawn once when --seed < 0 so it can be reported; --device and --expert-budget made once into
-the pool's list of `PoolDevice`s). `setup.session_setup` turns the options into a session's
-config. Also:
+Each flag is declared once (orchestrator/option.py's `option`, STYLE.md "vLLM's config"): the
+session's own on `SessionConfig`'s fields, the CLI-only ones on `CliFlags` here, the ablation
+switches on `Ablations`; `OPTIONS` (flags, type, default, help, check, in llama.cpp's names) is
+made from them. `run_options` adds the chosen groups to a typer command and hands it one checked
+`RunOptions` (`RunOptions.from_cli`: every value valid, --expert-budget parsed once into a
+`Budget`, the seed drawn once when --seed < 0 so it can be reported; --device and
+--expert-budget made once into the pool's list of `PoolDevice`s; the session's own options as
+they are, `RunOptions.config`). `setup.session_setup` fills in the rest of that config. Also:
 
     fail("--temp must be a finite number")      # "spac: error: ..." on stderr, exit 2
     check_output(dst, force, inputs=[src])      # the output is not the input, nor exists unless --force
 
-Why ~330 lines: every shared flag, its check and its error text sit in one table here so that
-no command re-declares them; what the options make (cli/setup.py), the placement
+Why ~350 lines: every CLI-only flag and the checks across flags sit here so that no command
+re-declares them; what the options make (cli/setup.py), the placement
 (runtime/placement.py) and the commands (cli/main.py) are separate.
 """
 

@@ -3,9 +3,11 @@
     setup = session_setup(opts)            # loads nothing: `spac generate --dry-run` prints setup.notes
     session, setup = open_session(opts, err)  # its loading shown on stderr; or one line there and exit 2
 
-`resolve_models` picks the target and the draft (-m/-md, the shipped models, else the pool
-draft); `session_setup` checks the files, lists the devices (registering --rpc servers first),
-places the weights (runtime/placement.py) and returns the SessionConfig with a note per decision.
+`session_setup` reads top to bottom: options (`resolve_models`: -m/-md/--draft, the shipped
+models, else the pool draft, as a `Draft`; the files checked) → devices (`_pool_devices`:
+--engine, --rpc servers registered first, --device against ggml's list) → placement (`_place`,
+runtime/placement.py; `_place_without_pool_draft` when a hybrid's pool draft lost its pool) →
+the session's config (`RunOptions.config` with what was resolved), with a note per decision.
 """
 
 from __future__ import annotations

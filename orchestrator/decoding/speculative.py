@@ -23,10 +23,11 @@ sequence (chat turns re-render the whole conversation and pay only for the new p
 Greedy decoding is token-identical to target-only greedy decoding: the verify pass computes the
 same logits a single-token decode would, and the accepted tokens are the target's argmax.
 
-Why one module of ~620 lines: the session's state (token sequence, two KV caches or a
+Why one module of ~690 lines: the session's state (token sequence, two KV caches or a
 recurrent fork, plan in force, governor, draft routing) is shared by every step of the loop,
 and opening it (target, draft of four kinds, engine over one or several devices, calibration)
-decides what the loop may do; the maths (sampling.py), the text (text.py), the MTP draft
+decides what the loop may do (its config declares the session's own flags, orchestrator/option.py:
+one declaration each); what drafts (draft.py), the maths (sampling.py), the text (text.py), the MTP draft
 (mtp_draft.py), the policies and the engine bindings live elsewhere.
 """
 
