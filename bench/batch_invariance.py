@@ -32,14 +32,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from orchestrator.engine.host_layout import (  # noqa: E402
+from orchestrator.runtime.host_layout import (  # noqa: E402
     cpu_buffer_types,
     cpu_model_and_flags,
     device_buffer_type,
     matmul_output,
     set_batch_invariant_rows,
 )
-from orchestrator.engine.llm import init_backend  # noqa: E402
+from orchestrator.runtime.llm import init_backend  # noqa: E402
 
 TYPES = ("f16", "bf16", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl")
 BATCHES = (2, 3, 4, 5, 6, 7, 8, 9, 16, 64, 512)
@@ -91,7 +91,7 @@ def main() -> None:
                     "types; rpc: a stand-in RPC server on this machine")
     args = ap.parse_args()
     if args.device == "rpc":
-        from orchestrator.engine.rpc import rpc_device
+        from orchestrator.runtime.rpc import rpc_device
         with rpc_device() as name:
             args.device = name
             report(args)

@@ -39,7 +39,7 @@ def fill_rate(ctx, path: Path, device: str, budget: float, batch: int, pin: bool
     untimed fill."""
     import numpy as np
 
-    from orchestrator.engine.native import ExpertEngine
+    from orchestrator.runtime.native import ExpertEngine
     from orchestrator.policies.plan import Plan
 
     rates, busy = [], []
@@ -61,7 +61,7 @@ def fill_rate(ctx, path: Path, device: str, budget: float, batch: int, pin: bool
 def row(name: str, args, device: str) -> list[dict]:
     import psutil
 
-    from orchestrator.engine.llm import Context, Model
+    from orchestrator.runtime.llm import Context, Model
 
     t0 = time.perf_counter()
     model = Model(args.model, n_gpu_layers=99, repack="off", n_threads=args.threads, mmap=ROWS[name]["mmap"])
@@ -92,7 +92,7 @@ def main() -> None:
         ap.error(f"--rows: unknown {', '.join(bad)} (of {', '.join(ROWS)})")
     if not args.model.exists():
         ap.error(f"-m/--model: {args.model} does not exist (scripts/make_memory_bound_target.py writes the default)")
-    from orchestrator.engine.rpc import rpc_devices
+    from orchestrator.runtime.rpc import rpc_devices
 
     load0 = os.getloadavg()[0]
     with rpc_devices(1) if args.device == "rpc" else contextlib.nullcontext([args.device]) as devices:

@@ -7,7 +7,7 @@ sdist pinned in vendor/ik-llama-cpp-python.lock, `scripts/build_native.py --ik`)
 settings its users pick for a hybrid MoE on the CPU, `-rtr 0 -fmoe 1` and `-rtr 1 -fmoe 1`
 (run-time repacking off/on, fused up/gate experts; flash attention on, its default); and spac's target-only decoding (the model loaded
 as `spac generate` loads it, pool off as on a machine without a GPU, decoded through
-`orchestrator.engine.llm`) with `--repack` as given (default: spac's default), both timed the same way:
+`orchestrator.runtime.llm`) with `--repack` as given (default: spac's default), both timed the same way:
 tg = --n-gen single-token decodes of random tokens from an empty context (decoding, not sampling),
 pp = one --n-prompt-token prompt after a warm-up run of it. Printed: tok/s, the median of --repeats,
 spac ÷ llama.cpp's default, ÷ the better of its two settings and ÷ ik_llama.cpp's better one
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
 from build_native import ik_program  # noqa: E402  (scripts/, on the path through bench_live)
 
-from orchestrator.engine.host_layout import cpu_model_and_flags  # noqa: E402
+from orchestrator.runtime.host_layout import cpu_model_and_flags  # noqa: E402
 
 SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b")
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "IQ4_NL")
@@ -116,12 +116,12 @@ def spac_bench(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int)
 
 def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -> dict:
     """In its own process: spac's target-only decoding of `path` (the model loaded as `spac
-    generate` loads it, no pool, through orchestrator.engine.llm), timed as llama-bench times its runs."""
+    generate` loads it, no pool, through orchestrator.runtime.llm), timed as llama-bench times its runs."""
     import numpy as np
 
     from orchestrator.decoding.speculative import EXACT_ROWS
-    from orchestrator.engine.host_layout import set_batch_invariant_rows
-    from orchestrator.engine.llm import Context, Model
+    from orchestrator.runtime.host_layout import set_batch_invariant_rows
+    from orchestrator.runtime.llm import Context, Model
 
     set_batch_invariant_rows(EXACT_ROWS)  # a session's default (--exact): passes of up to 32 tokens row by row
     model = Model(path, repack=repack)

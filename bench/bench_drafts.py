@@ -61,17 +61,17 @@ def hit_rates(steps) -> tuple[float, float]:
 
 def run_one(args) -> dict:
     """One configuration, in this process: prints one JSON line."""
-    from orchestrator.engine.calibrate import measure_draft
-    from orchestrator.engine.native import Routing
+    from orchestrator.runtime.calibrate import measure_draft
+    from orchestrator.runtime.native import Routing
     from orchestrator.decoding.sampling import SamplingParams
     from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
-    from orchestrator.engine.pool import Budget, PoolDevice
+    from orchestrator.runtime.pool import Budget, PoolDevice
 
     draft = {"none": None, "pool": POOL_DRAFT}.get(args.draft, args.draft)
     # a fixed γ: the drafts are compared at the same draft length (the governor would stop drafting
     # wherever a draft costs about as much as the target, as the pool draft does on a CPU "device")
     cfg = SessionConfig(model=args.model, draft=draft, gamma=args.gamma, adaptive_gamma=False, n_ctx=1024,
-                        n_threads=args.threads, engine=True, pool=(PoolDevice(args.device or "CPU", Budget(ratio=args.budget)),),
+                        n_threads=args.threads, expert_engine=True, pool=(PoolDevice(args.device or "CPU", Budget(ratio=args.budget)),),
                         calibration_cache=Path(args.tmp) / f"cal-{Path(str(args.draft)).name}-{args.budget}.json")
     out: dict = {"draft": args.draft, "budget": args.budget}
     with Session(cfg) as s:
@@ -114,8 +114,8 @@ def run_one(args) -> dict:
 def memory_check(args) -> None:
     """Issue 17: resident set with the pool draft − without ≤ the draft's KV cache + 5 %."""
     if args.child:
-        from orchestrator.engine.llm import Context, Model
-        from orchestrator.engine.native import ExpertEngine
+        from orchestrator.runtime.llm import Context, Model
+        from orchestrator.runtime.native import ExpertEngine
 
         model = Model(args.model, repack="off")
         ctx = Context(model, n_ctx=args.n_ctx, n_batch=64, n_threads=args.threads)
@@ -227,10 +227,10 @@ def main() -> None:
 
 def make_hot_draft(target: Path, d: Path, threads: int) -> Path:
     """SpecMoE-style draft: per layer the quarter of experts the target uses most on the prompts."""
-    from orchestrator.modelio.gguf_export import read_config
-    from orchestrator.modelio.hot_experts import hot_experts, slice_experts
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import Routing
+    from orchestrator.gguf_files.gguf_export import read_config
+    from orchestrator.gguf_files.hot_experts import hot_experts, slice_experts
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import Routing
 
     cfg = read_config(target)
     model = Model(target, repack="off")

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, Routing
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, Routing
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 from orchestrator.policies.plan import Plan
 
 

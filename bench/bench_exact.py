@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.decoding.speculative import EXACT_ROWS  # noqa: E402
-from orchestrator.engine.host_layout import cpu_model_and_flags, set_batch_invariant_rows  # noqa: E402
-from orchestrator.engine.llm import Context, Model, init_backend  # noqa: E402
+from orchestrator.runtime.host_layout import cpu_model_and_flags, set_batch_invariant_rows  # noqa: E402
+from orchestrator.runtime.llm import Context, Model, init_backend  # noqa: E402
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ from build_native import stock_program  # noqa: E402,F401  (bench_cpu imports it
 from orchestrator.cli.setup import default_models  # noqa: E402
 from orchestrator.decoding.sampling import SamplingParams  # noqa: E402
 from orchestrator.decoding.speculative import Session, SessionConfig  # noqa: E402
-from orchestrator.engine.pool import Budget, PoolDevice  # noqa: E402
+from orchestrator.runtime.pool import Budget, PoolDevice  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:",
@@ -152,7 +152,7 @@ def rpc_rows(common: dict, draft: Path, gamma: int, n: int, device: str, cache_d
 
     rows = []
     for budget in BUDGETS:
-        cfg = SessionConfig(**{**common, "n_threads": 1, "engine": True}, n_gpu_layers=-1, draft=draft, gamma=gamma,
+        cfg = SessionConfig(**{**common, "n_threads": 1, "expert_engine": True}, n_gpu_layers=-1, draft=draft, gamma=gamma,
                             pool=(PoolDevice(device or "CPU", Budget(ratio=budget)),), calibration_cache=cache_dir / f"cal-{budget}.json")
         rows.append(spac_row(f"RPC {budget:.0%} static + speculative", f"≤{gamma}", cfg, n, StaticPlacement))
         rows.append(spac_row(f"RPC {budget:.0%} spac default + speculative", f"≤{gamma}", cfg, n))
@@ -241,9 +241,9 @@ def main() -> None:
         default_target, default_draft = default_models()
         target, draft = target or default_target, draft or default_draft
     if target is None or draft is None:
-        sys.exit("no default models (orchestrator/models/MANIFEST.json): pass -m and -md")
+        sys.exit("no default models (orchestrator/shipped_models/MANIFEST.json): pass -m and -md")
     n = args.n
-    common = dict(model=target, n_ctx=args.ctx_size, n_threads=args.threads, engine=False)
+    common = dict(model=target, n_ctx=args.ctx_size, n_threads=args.threads, expert_engine=False)
     rows = [spac_row("autoregressive", "—", SessionConfig(**common), n),
             spac_row("spac adaptive", f"≤{args.draft_max}", SessionConfig(**common, draft=draft, gamma=args.draft_max), n)]
     for g in [int(x) for x in args.gammas.split(",") if x.strip()]:
@@ -256,7 +256,7 @@ def main() -> None:
         rows.append(peer)
     with contextlib.ExitStack() as stack:
         if args.rpc:
-            from orchestrator.engine.rpc import rpc_device  # the RPC server on 127.0.0.1, registered here
+            from orchestrator.runtime.rpc import rpc_device  # the RPC server on 127.0.0.1, registered here
 
             device = stack.enter_context(rpc_device(n_threads=1))
             cache = Path(stack.enter_context(tempfile.TemporaryDirectory()))

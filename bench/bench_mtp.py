@@ -41,11 +41,11 @@ def run_one(args) -> dict:
     from orchestrator.decoding.mtp_draft import MTP_DRAFT
     from orchestrator.decoding.sampling import SamplingParams
     from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
-    from orchestrator.engine.pool import Budget, PoolDevice
+    from orchestrator.runtime.pool import Budget, PoolDevice
 
     draft = {"none": None, "pool": POOL_DRAFT, "mtp": MTP_DRAFT}.get(args.draft, args.draft)
     cfg = SessionConfig(model=args.model, draft=draft, gamma=args.gamma, adaptive_gamma=False, n_ctx=1024,
-                        n_threads=args.threads, engine=True, pool=(PoolDevice("CPU", Budget(ratio=args.budget)),),
+                        n_threads=args.threads, expert_engine=True, pool=(PoolDevice("CPU", Budget(ratio=args.budget)),),
                         calibration_cache=Path(args.tmp) / f"cal-{Path(str(args.draft)).name}.json")
     steps: list[tuple[int, int, float, float]] = []
     tokens, n_tok, decode_s = [], 0, 0.0

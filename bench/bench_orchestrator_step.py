@@ -110,7 +110,7 @@ def governor_us(accept: float, verify, draft_s: float, n_steps: int) -> float:
 def loop_us(draft: str, n_tokens: int, n_threads: int, runs: int) -> tuple[float, float, float]:
     """Medians over `runs` fresh sessions on the shipped target (as `spac generate` runs it):
     (µs per step outside llama_decode, tok/s, drafted tokens per step)."""
-    import orchestrator.engine.llm as llm
+    import orchestrator.runtime.llm as llm
     from orchestrator.cli.setup import default_models
     from orchestrator.decoding.speculative import Session, SessionConfig
 
@@ -125,7 +125,7 @@ def loop_us(draft: str, n_tokens: int, n_threads: int, runs: int) -> tuple[float
         return rc
 
     cfg = SessionConfig(model=target, draft=default_draft if draft == "default" else None, n_threads=n_threads,
-                        engine=False)
+                        expert_engine=False)
     rows = []
     llm.L.llama_decode = timed_decode
     try:

@@ -4,7 +4,7 @@
     .venv/bin/python bench/bench_overlap.py --preset mixtral-8x7b --n-layer 2
 
 The device is a ggml RPC server on 127.0.0.1 computing with 1 thread; the host computes with 1
-thread. Model: synthetic layers of a named model (orchestrator.modelio.synthetic_models.PRESETS: the real
+thread. Model: synthetic layers of a named model (orchestrator.gguf_files.synthetic_models.PRESETS: the real
 shapes, random Q4_0 weights, a 512-token vocabulary). Pass: a verify batch of γ+1 = 9 tokens.
 
 The work outside the experts (attention, router, norms) runs on the host in every configuration
@@ -45,11 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, Routing
-from orchestrator.engine.rpc import rpc_device
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, Routing
+from orchestrator.runtime.rpc import rpc_device
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 from orchestrator.policies.balancer import UnitCosts, WorkloadStats, solve_threshold
 from orchestrator.policies.plan import Plan
 

@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.models import MODELS_DIR  # noqa: E402
+from orchestrator.shipped_models import MODELS_DIR  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
            "for i in range(10):", "def read_file(path):\n    with open(path) as f:"]
@@ -176,10 +176,10 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     from orchestrator.decoding.sampling import SamplingParams
     from orchestrator.sim.trace import TraceWriter
     from orchestrator.decoding.speculative import Session, SessionConfig
-    from orchestrator.engine.pool import Budget, PoolDevice
+    from orchestrator.runtime.pool import Budget, PoolDevice
 
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
-                        n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, engine=True,
+                        n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, expert_engine=True,
                         pool=(PoolDevice(device or "CPU", Budget(ratio=row.budget)),), calibration_cache=cache, mmap=args.mmap)
     from orchestrator.policies.cache import LlamaMoeCache
 
@@ -246,10 +246,10 @@ def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_overlap as bo
 
-    from orchestrator.engine.llm import Model
+    from orchestrator.runtime.llm import Model
     from orchestrator.cli.profile_measure import measure
     from orchestrator.sim import profiles
-    from orchestrator.modelio.synthetic_models import PRESETS
+    from orchestrator.gguf_files.synthetic_models import PRESETS
 
     cfg = PRESETS["olmoe-1b-7b"]
     path = bo.synthetic_layers(tmp, "olmoe-1b-7b", 4)
@@ -390,7 +390,7 @@ def main() -> None:
         print(f"writing the memory-bound target {target} (once)", file=sys.stderr)
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_memory_bound_target.py"), str(target)], check=True)
 
-    from orchestrator.engine.rpc import rpc_device
+    from orchestrator.runtime.rpc import rpc_device
     from orchestrator.cli.profile_measure import cpu_name, measure, measure_to_file  # noqa: F401
     from orchestrator.sim import profiles
 

@@ -22,7 +22,7 @@ import numpy as np
 from orchestrator.cli.setup import default_models
 from orchestrator.decoding.sampling import SamplingParams
 from orchestrator.decoding.speculative import Session, SessionConfig
-from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.runtime.pool import Budget, PoolDevice
 from orchestrator.policies.spac import Ablations
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
@@ -31,7 +31,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    
 
 
 def random_models(d: Path) -> tuple[Path, Path]:
-    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+    from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
     cfg = tiny_config("qwen3moe", n_layer=4, n_embd=128, n_expert=16, n_expert_used=4, n_ff_exp=64, n_head=4,
                       head_dim=32)
@@ -68,13 +68,13 @@ def main() -> None:
     else:
         target, draft = default_models()
         if target is None:
-            sys.exit("no default models (orchestrator/models/MANIFEST.json): pass -m/-md or --random")
+            sys.exit("no default models (orchestrator/shipped_models/MANIFEST.json): pass -m/-md or --random")
     if draft is None:
         sys.exit("a draft model is needed (-md)")
 
     def config(no_sd: bool) -> SessionConfig:
         return SessionConfig(model=target, draft=draft, gamma=args.gamma, n_threads=args.threads,
-                             engine=False if args.no_engine else None, pool=(PoolDevice("CPU", Budget(ratio=args.budget)),),
+                             expert_engine=False if args.no_engine else None, pool=(PoolDevice("CPU", Budget(ratio=args.budget)),),
                              calibration_cache=Path(tmp.name) / "cal.json", ablations=Ablations(no_sd=no_sd))
 
     spec, ar = Session(config(False)), Session(config(True))

@@ -44,12 +44,12 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.engine.host_layout import cpu_model_and_flags
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, Routing
-from orchestrator.engine.rpc import rpc_device
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.runtime.host_layout import cpu_model_and_flags
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, Routing
+from orchestrator.runtime.rpc import rpc_device
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 from orchestrator.policies.plan import Plan
 
 

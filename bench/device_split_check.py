@@ -51,14 +51,14 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=1e-2, help="largest |split − unsplit| / max |unsplit| accepted")
     args = ap.parse_args()
 
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine, graph_n_crossings
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine, graph_n_crossings
     from orchestrator.policies.plan import Plan
 
     if args.random:
         import tempfile
 
-        from orchestrator.modelio.gguf_export import make_random_model
+        from orchestrator.gguf_files.gguf_export import make_random_model
 
         args.model = make_random_model(Path(tempfile.mkdtemp()) / f"random-{args.random}.gguf", model_config("qwen3moe"),
                                        seed=2, dtype="f32", quant=args.random)

@@ -67,7 +67,7 @@ correct)
     kquant=${SPAC_KQUANT_TARGET:-/tmp/spac-kq/qwen3moe-q4_k_m.gguf}
     [ -e "$kquant" ] || { mkdir -p "$(dirname "$kquant")"; "$py" scripts/make_random_moe.py "$kquant" --n-embd 256 \
         --n-layer 4 --n-expert 32 --n-expert-used 4 --n-ff-exp 256 --quant q4_k_m > /dev/null; }
-    for model in orchestrator/models/spac-tiny-moe-f16.gguf orchestrator/models/spac-tiny-moe-q4_0.gguf "$kquant"; do
+    for model in orchestrator/shipped_models/spac-tiny-moe-f16.gguf orchestrator/shipped_models/spac-tiny-moe-q4_0.gguf "$kquant"; do
         name=$(basename "$model" .gguf)
         for budget in 25% 50%; do
             spac generate "$prompt" -m "$model" -n 64 --temp 0 --json --device "$device" --expert-budget $budget \
@@ -134,7 +134,7 @@ from bench_sim_truth import PROMPTS
 exe, target, ncmoe, threads, *no_mmap = sys.argv[1:]
 n = secs = drafted = accepted = 0
 for prompt in PROMPTS[:3]:
-    cmd = [exe, "-m", target, "-md", "orchestrator/models/spac-tiny-moe-q4_0.gguf", "--spec-type", "draft-simple",
+    cmd = [exe, "-m", target, "-md", "orchestrator/shipped_models/spac-tiny-moe-q4_0.gguf", "--spec-type", "draft-simple",
            "-ngl", "99", "-ngld", "99",
            "--n-cpu-moe", ncmoe, "-p", prompt, "-n", "64", "-c", "512", "-t", threads, "-td", threads,
            "--spec-draft-n-max", "8", "--spec-draft-n-min", "0", "--spec-draft-p-min", "0",

@@ -42,7 +42,7 @@ def free_port() -> int:
 
 
 def default_serve_args() -> list[str]:
-    from orchestrator.engine.native import engine_built
+    from orchestrator.runtime.native import engine_built
 
     engine = ["--engine", "--device", "CPU", "--expert-budget", "50%"] if engine_built() else ["--no-engine"]
     return ["--draft-max", "4", "-c", "1024", "-t", "1", "--temp", "0", *engine]

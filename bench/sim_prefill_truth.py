@@ -24,8 +24,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.modelio.gguf_export import ModelConfig
-from orchestrator.modelio.synthetic_models import PRESETS
+from orchestrator.gguf_files.gguf_export import ModelConfig
+from orchestrator.gguf_files.synthetic_models import PRESETS
 from orchestrator.sim import profiles
 from orchestrator.sim.prefill import PrefillModel
 
@@ -39,7 +39,7 @@ def model_profile(cfg: ModelConfig) -> profiles.ModelProfile:
     """The simulator's profile of a synthetic preset (every block an MoE block)."""
     attn = cfg.n_embd * cfg.head_dim * (2 * cfg.n_head + 2 * cfg.n_head_kv)  # q, o; k, v
     return profiles.ModelProfile(
-        key=f"synthetic:{cfg.name}", name=cfg.name, source="orchestrator/modelio/synthetic_models.py", n_block=cfg.n_layer,
+        key=f"synthetic:{cfg.name}", name=cfg.name, source="orchestrator/gguf_files/synthetic_models.py", n_block=cfg.n_layer,
         d_model=cfg.n_embd, block_params=attn + cfg.n_embd * cfg.n_expert, head_params=cfg.n_vocab * cfg.n_embd,
         kv_bytes_per_token=cfg.n_layer * 2 * cfg.n_head_kv * cfg.head_dim * 2, moe_blocks=(0, cfg.n_layer - 1),
         n_expert=cfg.n_expert, top_k=cfg.n_expert_used, expert_params=3 * cfg.n_embd * cfg.n_ff_exp)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
-from orchestrator.modelio.gguf_export import (
+from orchestrator.gguf_files.gguf_export import (
     ModelConfig,
     Tokenizer,
     quantize_gguf,

@@ -32,7 +32,7 @@ Its routing of the real hidden states, as a trace for the simulator (the padded 
 with trained routers, so the trace has 16 MoE layers of trained routing):
 
     spac trace record runs/mb/trace.npz -m runs/mb/olmoe-bytes-f16.gguf
-        -md orchestrator/models/spac-tiny-moe-q4_0.gguf --prompts-file PROMPTS.txt -n 64 -c 512   (one line)
+        -md orchestrator/shipped_models/spac-tiny-moe-q4_0.gguf --prompts-file PROMPTS.txt -n 64 -c 512   (one line)
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import numpy as np
 from gguf import MODEL_TENSOR, TENSOR_NAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from orchestrator.modelio.gguf_export import atomic_path, read_config  # noqa: E402
-from orchestrator.modelio.hot_experts import _copy_metadata  # noqa: E402
-from orchestrator.models import MODELS_DIR  # noqa: E402
+from orchestrator.gguf_files.gguf_export import atomic_path, read_config  # noqa: E402
+from orchestrator.gguf_files.hot_experts import _copy_metadata  # noqa: E402
+from orchestrator.shipped_models import MODELS_DIR  # noqa: E402
 
 SOURCE = MODELS_DIR / "spac-tiny-moe-f16.gguf"
 LANES = 64  # ggml's F16 dot product consumes 64 elements per step (4 accumulators of 16 lanes)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
 app = typer.Typer(add_completion=False)
 

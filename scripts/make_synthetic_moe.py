@@ -30,15 +30,15 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 
 
 def check(path: Path, n_tokens: int = 16) -> dict:
     """Load in a fresh process, generate greedily, report load/generation time and peak RSS."""
     code = f"""
 import json, resource, time
-from orchestrator.models import load_llama
+from orchestrator.shipped_models import load_llama
 t = time.time(); llm = load_llama({str(path)!r}, n_ctx=128, n_threads=2); t_load = time.time() - t
 toks = llm.tokenize(b"def main():")
 t = time.time(); llm.eval(toks)

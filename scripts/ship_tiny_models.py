@@ -1,4 +1,4 @@
-"""Copy the trained tiny models into orchestrator/models/ (package data) and write its MANIFEST.json.
+"""Copy the trained tiny models into orchestrator/shipped_models/ (package data) and write its MANIFEST.json.
 
     python scripts/ship_tiny_models.py --run runs/tiny
 
@@ -15,9 +15,9 @@ import math
 import shutil
 from pathlib import Path
 
-from orchestrator.models import MODELS_DIR, sha256_file
+from orchestrator.shipped_models import MODELS_DIR, sha256_file
 
-SHIPPED = {  # file in <run>/gguf -> (file in orchestrator/models/, role, description)
+SHIPPED = {  # file in <run>/gguf -> (file in orchestrator/shipped_models/, role, description)
     "target-f16.gguf": ("spac-tiny-moe-f16.gguf", "target",
                         "qwen3moe target, 6 layers, d 256, 32 experts of ff 64, top-4, F16"),
     "target-q4_0.gguf": ("spac-tiny-moe-q4_0.gguf", "draft-quantized",

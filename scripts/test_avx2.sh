@@ -42,7 +42,7 @@ sys.path[:0] = ["scripts", "tests"]
 import build_native as bn
 from conftest import _build_id, llama_common_dir, llama_lib_dir
 
-from orchestrator.engine.host_layout import cpu_model_and_flags
+from orchestrator.runtime.host_layout import cpu_model_and_flags
 
 FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
          "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")

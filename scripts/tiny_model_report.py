@@ -36,9 +36,9 @@ import torch
 
 from train_tiny_moe import LM, eval_windows
 
-from orchestrator import models
-from orchestrator.modelio.hot_experts import hot_experts, slice_experts
-from orchestrator.models import sha256_file
+from orchestrator import shipped_models
+from orchestrator.gguf_files.hot_experts import hot_experts, slice_experts
+from orchestrator.shipped_models import sha256_file
 
 
 def load_torch(path: Path) -> LM:
@@ -49,7 +49,7 @@ def load_torch(path: Path) -> LM:
 
 
 def load_llama(path: Path, n_ctx: int = 512, f32_kv: bool = True):
-    return models.load_llama(path, n_ctx=n_ctx, f32_kv=f32_kv, n_threads=2)
+    return shipped_models.load_llama(path, n_ctx=n_ctx, f32_kv=f32_kv, n_threads=2)
 
 
 def fidelity(model: LM, gguf_path: Path, windows: torch.Tensor) -> dict:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.engine.llm import Context
-from orchestrator.modelio.gguf_export import tiny_config
+from orchestrator.runtime.llm import Context
+from orchestrator.gguf_files.gguf_export import tiny_config
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64]   # one 8-token ubatch (split), then single tokens
 NEXT = [12, 200, 3]
@@ -38,7 +38,7 @@ def tensor_reader():
     """ggml-base with what an eval callback needs to read a tensor: name, element count, data."""
     import ctypes
 
-    from orchestrator.engine.native import ggml_library
+    from orchestrator.runtime.native import ggml_library
 
     ggml = ggml_library("ggml-base")
     ggml.ggml_get_name.restype = ctypes.c_char_p
@@ -64,7 +64,7 @@ def rpc_main(check, n_devices: int = 1) -> None:
     comma-separated list)."""
     import os
 
-    from orchestrator.engine.rpc import rpc_devices
+    from orchestrator.runtime.rpc import rpc_devices
 
     named = os.environ.get("SPAC_TEST_DEVICE")
     with rpc_devices(n_devices) if not named else contextlib.nullcontext(named.split(",")) as devices:

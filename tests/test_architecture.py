@@ -33,9 +33,9 @@ def test_the_import_contracts_hold():
     # the simulator reaching up to the live session
     ("orchestrator/sim/trace.py", "import orchestrator.decoding.speculative", "layers"),
     # a policy importing the engine
-    ("orchestrator/policies/plan.py", "from orchestrator.engine import native", "layers"),
+    ("orchestrator/policies/plan.py", "from orchestrator.runtime import native", "layers"),
     # two modules of one package importing each other (native already imports pool)
-    ("orchestrator/engine/pool.py", "from orchestrator.engine import native", "no import cycle"),
+    ("orchestrator/runtime/pool.py", "from orchestrator.runtime import native", "no import cycle"),
 ])
 def test_the_contracts_fail_on_an_upward_import_or_a_cycle(tmp_path, module, line, contract):
     shutil.copytree(PACKAGE, tmp_path / "orchestrator", ignore=shutil.ignore_patterns("__pycache__", "*.gguf"))

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine.native import engine_built
-from orchestrator.models import MODELS_DIR, default_model, sha256_file
+from orchestrator.runtime.native import engine_built
+from orchestrator.shipped_models import MODELS_DIR, default_model, sha256_file
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = default_model("target")
@@ -209,7 +209,7 @@ def test_help_keeps_its_defaults():
     res = spac("generate", "--help")
     assert res.returncode == 0
     text = " ".join(res.out.split())
-    assert "[default: the shipped model, orchestrator/models/MANIFEST.json]" in text.replace("│ ", "")
+    assert "[default: the shipped model, orchestrator/shipped_models/MANIFEST.json]" in text.replace("│ ", "")
     assert "--spec-draft-n-max" in text and "--draft-max" in text
     assert "[default: on when built" in text.replace("│ ", "")
 

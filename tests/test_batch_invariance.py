@@ -16,10 +16,10 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from orchestrator.decoding.speculative import EXACT_ROWS
-from orchestrator.engine import host_layout
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import engine_built, model_tensor_buft
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.runtime import host_layout
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import engine_built, model_tensor_buft
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
 pytestmark = pytest.mark.skipif(not engine_built(), reason="needs the patched llama.cpp")
 

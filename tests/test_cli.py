@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.main import _DOUBLE_CTRL_C_S, app
 from orchestrator.cli.setup import default_models
-from orchestrator.engine.native import engine_built
-from orchestrator.engine.pool import Budget
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.runtime.native import engine_built
+from orchestrator.runtime.pool import Budget
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def test_generate_json(models, engine_args):
     assert 1 <= out["n_tokens"] <= 16 and out["mode"] == "speculative"
     assert isinstance(out["text"], str)
     # the generated ids, as llama-server's /completion returns them: an ending EOG token included
-    from orchestrator.engine.llm import Model
+    from orchestrator.runtime.llm import Model
 
     m = Model(target, repack="off")
     try:
@@ -163,7 +163,7 @@ def test_default_models_from_manifest(tmp_path):
 def test_no_model_arguments_use_the_manifest(models, tmp_path, monkeypatch):
     import shutil
 
-    from orchestrator import models as shipped
+    from orchestrator import shipped_models as shipped
 
     target, draft = models
     shutil.copy(target, tmp_path / "t.gguf")

@@ -12,11 +12,11 @@ import numpy as np
 import psutil
 import pytest
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, NativeError, Routing
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
-from orchestrator.modelio.synthetic_models import synthetic_tensors
-from orchestrator.models import MODELS_DIR
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, NativeError, Routing
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, make_random_model, tiny_config, write_gguf
+from orchestrator.gguf_files.synthetic_models import synthetic_tensors
+from orchestrator.shipped_models import MODELS_DIR
 from orchestrator.policies.plan import Plan
 
 from engine_common import PROMPT, model_config, run_sequence, tensor_reader
@@ -336,6 +336,6 @@ def test_split_is_bit_identical_on_shipped_models(name, threads):
 
 
 def test_python_budget_default_is_the_c_default():
-    from orchestrator.engine.native import DEFAULT_BUDGET_RATIO, lib
+    from orchestrator.runtime.native import DEFAULT_BUDGET_RATIO, lib
 
     assert lib()["default_params"]().budget_ratio == pytest.approx(DEFAULT_BUDGET_RATIO)

@@ -16,9 +16,9 @@ import pytest
 
 from conftest import LLAMA_CPP_TREE, compile_native, llama_common_dir
 from engine_common import rpc_main, run_in_own_process
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine
-from orchestrator.engine.pool import StreamPrefill
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine
+from orchestrator.runtime.pool import StreamPrefill
 from orchestrator.policies.plan import Plan
 
 ARCHS = ["olmoe", "llama", "deepseek2", "gpt-oss", "qwen3moe", "qwen2moe"]
@@ -115,7 +115,7 @@ def check_batched_copies(device: str, models: Path) -> None:
     as synchronous one-by-one copies (copy_batch_experts=1) and give the same logits bit for bit,
     decodes and a streamed prefill alike."""
     from engine_common import model_config
-    from orchestrator.modelio.gguf_export import make_random_model
+    from orchestrator.gguf_files.gguf_export import make_random_model
 
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
     batched_any = False

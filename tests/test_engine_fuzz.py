@@ -12,9 +12,9 @@ import os
 
 import numpy as np
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, lib
-from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, lib
+from orchestrator.gguf_files.gguf_export import make_random_model
 from orchestrator.policies.plan import Plan
 
 from engine_common import model_config, run_sequence

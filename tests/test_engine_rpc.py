@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.engine.native import graph_n_crossings, graph_n_splits
-from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.runtime.native import graph_n_crossings, graph_n_splits
+from orchestrator.gguf_files.gguf_export import make_random_model
 from orchestrator.policies.plan import Plan
 
 from engine_common import PROMPT, model_config, rpc_main, run_in_own_process, run_sequence, tensor_reader
 
 
 def check_pool_on_rpc_device(rpc_device, tmp_path):
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine
 
     path = make_random_model(tmp_path / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
     model = Model(path, repack="off")
@@ -64,8 +64,8 @@ def check_device_ids_distinct(rpc_device, tmp_path):
     as it did when every non-resident expert went to one zero slot (patch 0013)."""
     from llama_cpp import llama_cpp as low
 
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine
 
     ggml = tensor_reader()
     seen = []
@@ -104,8 +104,8 @@ def check_device_ids_distinct(rpc_device, tmp_path):
 def check_pin_mapping_falls_back(rpc_device, tmp_path):
     """--pin-mapping on a device that cannot register host memory (the RPC backend): nothing is
     pinned, the stats say so, and the pool computes what it computes without the option."""
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine
 
     path = make_random_model(tmp_path / "pin.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
     model = Model(path, repack="off")
@@ -129,8 +129,8 @@ def check_full_pool_runs_the_device_half_alone(rpc_device, tmp_path):
     """Every layer and every expert on the device (a pool of every expert, patch 0026): no MoE
     layer crosses to the host, as with llama.cpp's experts on the device; the logits are those of
     the experts left on the host, to the RPC device's tolerance; a 40-token prompt too."""
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine, graph_crossings
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine, graph_crossings
 
     path = make_random_model(tmp_path / "full.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
     model = Model(path, n_gpu_layers=99, repack="off")

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from export_tiny_models import load_checkpoint  # noqa: E402
 from train_tiny_moe import LM  # noqa: E402
 
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf  # noqa: E402
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, write_gguf  # noqa: E402
 
 needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not built")
 
@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path: Path, arch: str) -> Path:
 @needs_llama
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen3"])
 def test_llama_logits_match_pytorch(tmp_path, arch):
-    from orchestrator.models import load_llama
+    from orchestrator.shipped_models import load_llama
 
     ck = tiny_checkpoint(tmp_path, arch)
     cfg, tensors, raw = load_checkpoint(ck)

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from orchestrator.modelio.gguf_export import (
+from orchestrator.gguf_files.gguf_export import (
     ARCHES,
     byte_level_bpe_tokenizer,
     make_random_model,
@@ -134,7 +134,7 @@ def test_script(tmp_path):
 @needs_llama
 @pytest.mark.parametrize("arch", sorted(ARCHES))
 def test_llama_cpp_loads_and_quantizes(tmp_path, arch):
-    from orchestrator.models import load_llama
+    from orchestrator.shipped_models import load_llama
 
     src = make_random_model(tmp_path / "m.gguf", arch, seed=0)
     q = quantize_gguf(src, tmp_path / "m-q4_0.gguf", "q4_0")

@@ -1,4 +1,4 @@
-"""The host weights' layout (`--repack auto|on|off`, orchestrator.engine.host_layout): where every weight
+"""The host weights' layout (`--repack auto|on|off`, orchestrator.runtime.host_layout): where every weight
 lands for each mode, with and without a GPU (the RPC device stands in for it), the plain twins
 a prompt reads, and greedy speculative decoding staying lossless on the new default kernels.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine import host_layout
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import engine_built, model_tensor_buft
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.runtime import host_layout
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import engine_built, model_tensor_buft
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
 from engine_common import rpc_main, run_in_own_process
 
@@ -267,11 +267,11 @@ def test_greedy_speculative_is_lossless_on_the_default_kernels(files, tmp_path, 
     draft = make_random_model(tmp_path / "draft.gguf", CFG, seed=5, quant="q4_0")
     prompts = [np.random.default_rng(s).integers(0, 256, 6).tolist() for s in range(6)]
     greedy = SamplingParams(temperature=0)
-    with Session(SessionConfig(model=target, draft=None, n_threads=2, engine=False)) as plain:
+    with Session(SessionConfig(model=target, draft=None, n_threads=2, expert_engine=False)) as plain:
         refs = [plain.complete(p, 48, sampling=greedy).tokens for p in prompts]
         assert plain.target.layout.mode == "auto"
     with Session(SessionConfig(model=target, draft=draft, gamma=8, adaptive_gamma=False, n_threads=2,
-                               engine=False)) as spec:
+                               expert_engine=False)) as spec:
         for p, ref in zip(prompts, refs):
             assert spec.complete(p, 48, sampling=greedy).tokens == ref
         assert spec.last_metrics.n_drafted > 0

@@ -16,9 +16,9 @@ import pytest
 import make_real_files as mrf  # scripts/, on pytest's pythonpath
 from orchestrator.decoding.sampling import SamplingParams
 from orchestrator.decoding.speculative import EXACT_ROWS, POOL_DRAFT, Session, SessionConfig
-from orchestrator.engine.host_layout import set_batch_invariant_rows
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.runtime.host_layout import set_batch_invariant_rows
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.pool import Budget, PoolDevice
 
 HYBRIDS = ["qwen35moe", "qwen3next"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -174,7 +174,7 @@ def test_speculative_greedy_equals_target_only_on_a_hybrid(files, arch, tmp_path
     target = path_of(files, arch, "q8_0")
     prompts = [r["prompt"] for r in json.loads((files / arch / "reference.json").read_text())["reference"]]
     base = dict(model=target, n_ctx=128, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
-    want = session_tokens(SessionConfig(**base, engine=False), prompts)
+    want = session_tokens(SessionConfig(**base, expert_engine=False), prompts)
     for draft in (path_of(files, arch, "f16"), POOL_DRAFT):
         steps: list[tuple[int, int]] = []
         cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
@@ -208,7 +208,7 @@ def test_a_second_turn_reuses_the_state_or_starts_over(files, arch, tmp_path):
 def test_streamed_prefill_of_a_hybrid_is_bit_identical(files, arch, mode):
     """A prompt's ubatches above the split size stream their experts through the pool's staging
     slots (patch 0016) on a hybrid too: the logits of every position equal an all-host prefill's."""
-    from orchestrator.engine.native import ExpertEngine
+    from orchestrator.runtime.native import ExpertEngine
 
     path = path_of(files, arch, "q8_0")
     model = Model(path, repack="off")

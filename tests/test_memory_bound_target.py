@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from orchestrator.decoding.speculative import Session, SessionConfig
-from orchestrator.engine.llm import Context, Model
-from orchestrator.modelio.gguf_export import read_config
-from orchestrator.models import MODELS_DIR
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.gguf_files.gguf_export import read_config
+from orchestrator.shipped_models import MODELS_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -69,7 +69,7 @@ def test_logits_are_bit_identical(padded):
 def test_greedy_text_equals_the_tiny_target(padded):
     texts = []
     for path in (TINY, padded):
-        with Session(SessionConfig(model=path, n_ctx=256, n_threads=2, engine=False)) as s:
+        with Session(SessionConfig(model=path, n_ctx=256, n_threads=2, expert_engine=False)) as s:
             texts.append([s.complete(p, max_tokens=32).text for p in PROMPTS])
     assert texts[0] == texts[1]
 

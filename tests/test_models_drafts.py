@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from orchestrator.modelio.gguf_export import (
+from orchestrator.gguf_files.gguf_export import (
     byte_level_bpe_tokenizer,
     make_random_model,
     read_config,
@@ -20,8 +20,8 @@ from orchestrator.modelio.gguf_export import (
     tiny_config,
     write_gguf,
 )
-from orchestrator.modelio.hot_experts import hot_experts, slice_experts
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.gguf_files.hot_experts import hot_experts, slice_experts
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ TEXT = b"def forward(self, x):\n    return self.down(x)"
 
 
 def logits(path: Path) -> np.ndarray:
-    from orchestrator.models import load_llama
+    from orchestrator.shipped_models import load_llama
 
     llm = load_llama(path, n_ctx=64)
     toks = llm.tokenize(TEXT)
@@ -177,7 +177,7 @@ def test_synthetic_hybrid_with_mtp_layer_drafts(tmp_path):
     path = write_gguf(tmp_path / "h.gguf", cfg, synthetic_tensors(cfg, seed=0, zero_mean=True),
                       byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
     assert (read_config(path).n_layer, read_config(path).n_mtp) == (4, 1)
-    base = dict(model=path, n_ctx=256, n_threads=2, repack="off", engine=False)
+    base = dict(model=path, n_ctx=256, n_threads=2, repack="off", expert_engine=False)
     prompt = "def forward(self, x):"
 
     def run(**kw):

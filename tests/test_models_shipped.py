@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.models import MODELS_DIR, default_model, load_llama, manifest, sha256_file
+from orchestrator.shipped_models import MODELS_DIR, default_model, load_llama, manifest, sha256_file
 
 needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not built")
 

@@ -30,10 +30,10 @@ from orchestrator.cli.main import app
 from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft, mtp_layers
 from orchestrator.decoding.sampling import SamplingParams
 from orchestrator.decoding.speculative import Session, SessionConfig
-from orchestrator.engine.llm import Context, Model, ModelError
-from orchestrator.engine.native import ExpertEngine, Routing, engine_built, lib
-from orchestrator.engine.pool import Budget, PoolDevice
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.runtime.llm import Context, Model, ModelError
+from orchestrator.runtime.native import ExpertEngine, Routing, engine_built, lib
+from orchestrator.runtime.pool import Budget, PoolDevice
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
 ARCHS = ["qwen35moe-mtp", "qwen3next-mtp"]
 GREEDY = SamplingParams(temperature=0.0)
@@ -84,8 +84,8 @@ def test_mtp_draft_is_lossless(real_files, tmp_path, arch, ftype, pool):
         pytest.skip("native engine not built")
     files = real_files[arch]
     base = dict(model=files[ftype], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
-    want, prompts, _ = run(SessionConfig(**base, engine=False))
-    engine = dict(engine=True, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) if pool == "on" else dict(engine=False)
+    want, prompts, _ = run(SessionConfig(**base, expert_engine=False))
+    engine = dict(expert_engine=True, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) if pool == "on" else dict(expert_engine=False)
     for adaptive in (False, True):  # every step drafts γ = 4; then γ as the governor picks it
         got, _, s = run(SessionConfig(**base, **engine, draft=MTP_DRAFT, gamma=4, adaptive_gamma=adaptive))
         assert s["mode"] == "speculative" and s["mtp"] and s["pool"] == (pool == "on")
@@ -96,7 +96,7 @@ def test_mtp_draft_is_lossless(real_files, tmp_path, arch, ftype, pool):
 def test_mtp_draft_samples(files):
     """Sampling (rejection sampling against the head's distribution): the same seed gives the
     same tokens, as with any draft."""
-    cfg = SessionConfig(model=files["q8_0"], n_ctx=256, n_threads=2, repack="off", engine=False, draft=MTP_DRAFT, gamma=3)
+    cfg = SessionConfig(model=files["q8_0"], n_ctx=256, n_threads=2, repack="off", expert_engine=False, draft=MTP_DRAFT, gamma=3)
     sampling = SamplingParams(temperature=0.8, top_k=40, seed=7)
     with Session(cfg) as s:
         runs = [s.complete(mrf.PROMPTS[0], 16, (), sampling) for _ in range(2)]
@@ -144,7 +144,7 @@ def test_catch_up_pairs_each_token_with_the_previous_state(real_files, arch):
     """Every step's first draft comes from the head fed the sequence so far: its logits equal
     `reference_logits` of that sequence (F32: the verify passes' states round as one pass's do)."""
     seen: list[tuple[list[int], np.ndarray]] = []
-    cfg = SessionConfig(model=real_files[arch]["f32"], n_ctx=256, n_threads=2, repack="off", engine=False, draft=MTP_DRAFT,
+    cfg = SessionConfig(model=real_files[arch]["f32"], n_ctx=256, n_threads=2, repack="off", expert_engine=False, draft=MTP_DRAFT,
                         gamma=3, adaptive_gamma=False)
     with Session(cfg) as s:
         dctx = s.draft_ctx
@@ -219,6 +219,6 @@ def test_draft_mtp_without_mtp_layers(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and str(target) in lines[0] and "MTP" in lines[0], r.stderr
     with pytest.raises(ModelError, match="no MTP layers"):
-        Session(SessionConfig(model=target, draft=MTP_DRAFT, engine=False, n_ctx=64))
+        Session(SessionConfig(model=target, draft=MTP_DRAFT, expert_engine=False, n_ctx=64))
     r = runner.invoke(app, ["generate", "hi", "-m", str(target), "-md", str(target), "--draft", "mtp"])
     assert r.exit_code == 2 and "exclusive" in r.stderr

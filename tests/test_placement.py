@@ -1,4 +1,4 @@
-"""The default placement rule (orchestrator.engine.placement.place): a pure function of model sizes,
+"""The default placement rule (orchestrator.runtime.placement.place): a pure function of model sizes,
 free device memory and the options, tested without a GPU; and the shared option block."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import typer
 
 from orchestrator.cli.options import OPTIONS, RunOptions, run_options
-from orchestrator.engine.native import engine_built
-from orchestrator.engine.placement import (GPU, MARGIN, ModelSizes, PlacementError, layer_split, model_sizes, place,
+from orchestrator.runtime.native import engine_built
+from orchestrator.runtime.placement import (GPU, MARGIN, ModelSizes, PlacementError, layer_split, model_sizes, place,
                                            place_several, pool_layer_ranges)
-from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.runtime.pool import Budget, PoolDevice
 
 GiB = 1 << 30
 # a Qwen3-30B-A3B-like Q4_K model: 48 layers, 16.5 GiB of experts, 1.5 GiB of the rest
@@ -76,7 +76,7 @@ def test_dense_model_has_no_pool():
 
 
 def test_model_sizes_of_the_shipped_target():
-    from orchestrator.models import default_model
+    from orchestrator.shipped_models import default_model
 
     s = model_sizes(default_model("target"))
     assert s.n_layer == 6 and s.n_experts_total == 6 * 32 and s.expert_bytes > s.non_expert_bytes > 0
@@ -112,20 +112,47 @@ def test_run_options_decorator_adds_the_shared_flags_once():
     assert r.exit_code == 0, r.output
     opts = seen["opts"]
     assert seen["port"] == 1 and opts.temp == 0 and opts.seed == 5 and not opts.seed_random
-    assert opts.threads == OPTIONS["threads"].default and opts.draft_max == 3
+    assert opts.threads == OPTIONS["threads"].default and opts.config.gamma == 3
     assert opts.pool == (PoolDevice(None, Budget()),)
+
+
+def test_a_flag_declared_once_reaches_the_command_the_options_and_the_session_config():
+    """--spec-draft-n-min is declared once, on SessionConfig.gamma_min (orchestrator/option.py):
+    the typer command has it (both names), RunOptions carries it checked, SessionConfig takes it."""
+    from orchestrator.decoding.speculative import SessionConfig
+    from orchestrator.option import declared
+
+    assert "gamma_min" in {name for name, _, _ in declared(SessionConfig)} and "gamma_min" in OPTIONS
+    seen = {}
+
+    @run_options("model")
+    def cmd(*, opts: RunOptions) -> None:
+        seen["opts"] = opts
+
+    app = typer.Typer()
+    app.command()(cmd)
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["--help"])
+    assert "--spec-draft-n-min" in r.output and "--draft-min" in r.output
+    r = CliRunner().invoke(app, ["--draft-min", "2", "--spec-draft-n-max", "5"])
+    assert r.exit_code == 0, r.output
+    assert seen["opts"].config.gamma_min == 2 and seen["opts"].config.gamma == 5
+    r = CliRunner().invoke(app, ["--spec-draft-n-min", "-1"])
+    assert r.exit_code == 2 and "--spec-draft-n-min/--draft-min must be >= 0" in r.output + str(r.stderr_bytes or b"")
+    assert RunOptions.of(gamma_min=1).replace(gamma_min=3).config.gamma_min == 3
 
 
 OFFLOAD_CHECK = """
 import sys
 from pathlib import Path
 import numpy as np
-from orchestrator.engine.rpc import rpc_device
+from orchestrator.runtime.rpc import rpc_device
 from engine_common import model_config, run_sequence
-from orchestrator.modelio.gguf_export import make_random_model
-from orchestrator.engine.llm import Context, Model
+from orchestrator.gguf_files.gguf_export import make_random_model
+from orchestrator.runtime.llm import Context, Model
 from orchestrator.decoding.speculative import Session, SessionConfig
-from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.runtime.pool import Budget, PoolDevice
 
 path = make_random_model(Path(sys.argv[1]) / "m.gguf", model_config("qwen3moe"), seed=2, dtype="f32", quant="q8_0")
 with rpc_device() as dev:
@@ -138,7 +165,7 @@ with rpc_device() as dev:
     np.testing.assert_allclose(logits[99], logits[0], rtol=1e-4, atol=1e-4 * np.abs(logits[0]).max())
     texts = []
     for ngl, engine in ((0, False), (99, True)):
-        cfg = SessionConfig(model=path, n_ctx=128, n_threads=1, n_gpu_layers=ngl, engine=engine,
+        cfg = SessionConfig(model=path, n_ctx=128, n_threads=1, n_gpu_layers=ngl, expert_engine=engine,
                             pool=(PoolDevice(dev, Budget(ratio=0.5)),), calibration_cache=Path(sys.argv[1]) / "cal.json")
         with Session(cfg) as s:
             texts.append(s.complete([5, 17, 42, 99], max_tokens=16).tokens)
@@ -194,7 +221,7 @@ def test_streamed_prefill_gives_way_to_a_pool_with_no_room_beside_it():
 
 
 def test_model_sizes_count_the_staging_slots_of_each_slot_group():
-    from orchestrator.models import default_model
+    from orchestrator.shipped_models import default_model
 
     s = model_sizes(default_model("target"))  # one group: every MoE layer alike
     assert s.staging_bytes == 2 * s.expert_bytes // s.n_layer
@@ -206,7 +233,7 @@ def test_a_session_on_a_gpu_without_room_for_staging_streams_nothing_and_says_wh
     import orchestrator.cli.setup as setup_module  # the placement's inputs, as session_setup sees them
     from orchestrator.cli.options import RunOptions
     from orchestrator.cli.setup import session_setup
-    from orchestrator.models import default_model
+    from orchestrator.shipped_models import default_model
 
     target = default_model("target")
     s = model_sizes(target)
@@ -214,11 +241,11 @@ def test_a_session_on_a_gpu_without_room_for_staging_streams_nothing_and_says_wh
     # a "GPU" with room for a pool of one slot per layer and half the staging slots
     gpu = GPU("CUDA0", free=used + MARGIN + s.one_expert * s.n_layer + s.staging_bytes // 2, total=8 * GiB)
     monkeypatch.setattr(setup_module, "first_gpu", lambda: gpu)
-    setup = session_setup(RunOptions(model=target, ctx_size=512))
+    setup = session_setup(RunOptions.of(model=target, n_ctx=512))
     assert setup.config.stream_prefill == "off" and setup.config.pool[0].name == "CUDA0"
     assert any("streamed prefill off" in n for n in setup.notes)
     with pytest.raises(typer.Exit) as e:
-        session_setup(RunOptions(model=target, ctx_size=512, stream_prefill="ahead"))
+        session_setup(RunOptions.of(model=target, n_ctx=512, stream_prefill="ahead"))
     assert e.value.exit_code == 2
 
 
@@ -325,7 +352,7 @@ QWEN36 = ModelSizes(n_layer=40, expert_bytes=int(18.9 * GiB), non_expert_bytes=i
 
 def test_recurrent_states_are_the_contexts_llama_cpp_keeps():
     """The target's context: 1 + γ snapshots (n_rs_seq = γ) when it speculates; a pool draft's: two sequences."""
-    from orchestrator.engine.placement import recurrent_states
+    from orchestrator.runtime.placement import recurrent_states
 
     assert recurrent_states(8, True) == 11 and recurrent_states(8, False) == 9 and recurrent_states(0, False) == 1
 
@@ -354,7 +381,7 @@ def test_model_sizes_of_a_hybrid_count_kv_in_full_attention_layers_only(tmp_path
     """A tiny qwen35moe file: layers 0-2 gated delta nets, layer 3 full attention. Its KV cache
     and recurrent state per sequence are what llama.cpp allocates (llama_kv_cache and
     llama_memory_recurrent's sizes in its log, checked on spac's real qwen35moe and qwen3next files)."""
-    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+    from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
     cfg = tiny_config("qwen35moe")
     s = model_sizes(make_random_model(tmp_path / "h.gguf", cfg))
@@ -394,7 +421,7 @@ def test_model_sizes_leave_out_a_hybrids_mtp_layer(tmp_path):
 
 
 def test_recurrent_layer_flags_win_over_the_interval():
-    from orchestrator.engine.placement import recurrent_layers
+    from orchestrator.runtime.placement import recurrent_layers
 
     keys = {"qwen35moe.attention.recurrent_layers": [True, False, True, True]}
     assert recurrent_layers(lambda k, d=None: keys.get(k, d), "qwen35moe", 4) == [True, False, True, True]
@@ -408,19 +435,19 @@ def test_dry_run_of_a_hybrid_counts_its_states(tmp_path, monkeypatch):
     draft's two states on the GPU; with the pool off (no GPU), no draft and one state."""
     import orchestrator.cli.setup as setup_module  # the placement's inputs, as session_setup sees them
     from orchestrator.cli.setup import session_setup
-    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+    from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
     path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
     s = model_sizes(path)
     monkeypatch.setattr(setup_module, "first_gpu", lambda: GPU("CUDA0", 8 * GiB, 8 * GiB))
     monkeypatch.setattr(setup_module, "devices", lambda: [("CUDA0", 1, 8 * GiB, 8 * GiB)])
-    setup = session_setup(RunOptions(model=path, ctx_size=512, draft_max=6))
+    setup = session_setup(RunOptions.of(model=path, n_ctx=512, gamma=6))
     assert setup.state_bytes == (1 + 6 + 2) * s.state_bytes and "recurrent state" in setup.notes[-1]
-    assert session_setup(RunOptions(model=path, ctx_size=512, draft="none")).state_bytes == s.state_bytes
+    assert session_setup(RunOptions.of(model=path, n_ctx=512, draft="none")).state_bytes == s.state_bytes
     monkeypatch.setattr(setup_module, "first_gpu", lambda: None)
     monkeypatch.setattr(setup_module, "devices", lambda: [])
-    off = session_setup(RunOptions(model=path, ctx_size=512))
-    assert off.config.draft is None and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
+    off = session_setup(RunOptions.of(model=path, n_ctx=512))
+    assert off.config.draft.none and off.state_bytes == s.state_bytes and "on the host" in off.notes[-1]
 
 
 @pytest.mark.skipif(not engine_built(), reason="native engine not built")
@@ -432,7 +459,7 @@ def test_dry_run_json_of_a_hybrid(tmp_path):
     from typer.testing import CliRunner
 
     from orchestrator.cli.main import app
-    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+    from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
     path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))
     one = model_sizes(path).state_bytes

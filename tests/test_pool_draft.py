@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, NativeError, Routing, engine_built
-from orchestrator.engine.pool import Budget, PoolDevice
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, NativeError, Routing, engine_built
+from orchestrator.runtime.pool import Budget, PoolDevice
 from orchestrator.policies.plan import Plan
 from engine_common import rpc_main, run_in_own_process
 from test_engine_archs import ARCHS, arch_models  # noqa: F401 - the module-scoped fixture
@@ -33,7 +33,7 @@ N_TOKENS = 48
 
 def pool_session(path, tmp_path, draft=POOL_DRAFT, **kw) -> Session:
     # a fixed γ: the governor may rightly stop drafting on a random model, and these tests need drafts
-    cfg = dict(model=path, draft=draft, gamma=4, adaptive_gamma=False, n_ctx=256, n_threads=1, engine=True,
+    cfg = dict(model=path, draft=draft, gamma=4, adaptive_gamma=False, n_ctx=256, n_threads=1, expert_engine=True,
                pool=(PoolDevice("CPU", Budget(ratio=0.5)),), calibration_cache=tmp_path / "cal.json")
     cfg.update(kw)
     return Session(SessionConfig(**cfg))
@@ -206,7 +206,7 @@ def test_everything_resident_drafts_exactly_the_target(models):
 
 
 def test_no_pool_no_pool_draft(models, tmp_path):
-    with pool_session(models["target"], tmp_path, engine=False) as s:
+    with pool_session(models["target"], tmp_path, expert_engine=False) as s:
         assert s.draft is None and s.draft_ctx is None and s.mode == "autoregressive" and s.gamma == 0
         assert len(s.complete(prompts(1)[0], max_tokens=4).tokens) == 4
 
@@ -217,23 +217,23 @@ def test_options_default_to_the_pool_draft(models):
     from orchestrator.cli.setup import session_setup
 
     def setup(**kw):
-        return session_setup(RunOptions(model=models["target"], **kw))
+        return session_setup(RunOptions.of(model=models["target"], **kw))
 
     assert setup(pool=(PoolDevice("CPU"),)).config.draft == POOL_DRAFT
     assert setup(pool=(PoolDevice("CPU"),), draft="pool").config.draft == POOL_DRAFT
     s = setup(pool=(PoolDevice("CPU"),), draft="none")
-    assert s.config.draft is None and "no draft (--draft none)" in s.notes
-    s = setup(engine=False)
-    assert s.config.draft is None and any("no draft (-md" in n for n in s.notes)
-    assert setup(pool=(PoolDevice("CPU"),), model_draft=models["self_draft"]).config.draft == models["self_draft"]
+    assert s.config.draft.none and "no draft (--draft none)" in s.notes
+    s = setup(expert_engine=False)
+    assert s.config.draft.none and any("no draft (-md" in n for n in s.notes)
+    assert setup(pool=(PoolDevice("CPU"),), model_draft=models["self_draft"]).config.draft.path == models["self_draft"]
 
 
 def check_pool_draft_on_rpc_device(device: str, tmp: Path) -> None:
     """The pool on a real second device: the draft context's device half is pinned to its own
     backend of that device; everything resident, it computes what the target computes."""
     from engine_common import model_config
-    from orchestrator.modelio.gguf_export import make_random_model
-    from orchestrator.engine.native import graph_crossings, graph_n_crossings
+    from orchestrator.gguf_files.gguf_export import make_random_model
+    from orchestrator.runtime.native import graph_crossings, graph_n_crossings
 
     def check(ctx, dctx, engine, tokens, reference):
         np.testing.assert_allclose(dctx.logits(), reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max())

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from engine_common import model_config
-from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.gguf_files.gguf_export import make_random_model
 from orchestrator.policies.plan import Plan
 from orchestrator.sim.simulator import Pool
 
-native = pytest.importorskip("orchestrator.engine.native")
-llm = pytest.importorskip("orchestrator.engine.llm")
+native = pytest.importorskip("orchestrator.runtime.native")
+llm = pytest.importorskip("orchestrator.runtime.llm")
 
 K_MAX = 4
 

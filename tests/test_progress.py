@@ -1,4 +1,4 @@
-"""engine/progress.py: the loading phases on stderr (plain lines, the rich display), nothing from a
+"""runtime/progress.py: the loading phases on stderr (plain lines, the rich display), nothing from a
 library's default reporter, and `spac generate --json` keeping stdout pure JSON."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.main import app
 from orchestrator.cli.setup import default_models
-from orchestrator.engine import progress
-from orchestrator.engine.llm import Model
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.runtime import progress
+from orchestrator.runtime.llm import Model
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 
 runner = CliRunner()
 SECONDS = r"\d+\.\d s"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.engine.native import engine_built
-from orchestrator.engine.rpc import _free_port
+from orchestrator.runtime.native import engine_built
+from orchestrator.runtime.rpc import _free_port
 
 SPAC = [sys.executable, "-m", "orchestrator.cli"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +168,7 @@ def test_a_server_that_dies_mid_run_is_one_line_and_exit_2():
 
 
 def test_ggml_messages_name_the_file_and_line_without_the_build_directory():
-    from orchestrator.engine.rpc import without_build_paths
+    from orchestrator.runtime.rpc import without_build_paths
 
     said = "/home/ci/spac/vendor/llama-cpp-python/vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp:587: Remote RPC server crashed"
     assert without_build_paths(said) == "ggml-rpc.cpp:587: Remote RPC server crashed"

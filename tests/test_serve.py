@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from orchestrator.cli.setup import default_models
-from orchestrator.engine.native import engine_built
+from orchestrator.runtime.native import engine_built
 
 openai = pytest.importorskip("openai")
 
@@ -348,16 +348,16 @@ def test_bad_model_fails_with_one_line(env, tmp_path):
 def test_health_503_while_loading_then_200_or_failed():
     from starlette.testclient import TestClient
 
-    from orchestrator.engine.llm import ModelError
-    from orchestrator.server import Engine, create_app
+    from orchestrator.runtime.llm import ModelError
+    from orchestrator.server import SessionWorker, create_app
 
-    class Loaded:  # what the engine thread holds once "loaded"; no request reaches it here
+    class Loaded:  # what the worker thread holds once "loaded"; no request reaches it here
         def close(self) -> None:
             pass
 
     gate = threading.Event()
-    engine = Engine(lambda: (gate.wait(30), Loaded())[1])
-    with TestClient(create_app(engine, "m.gguf")) as c:
+    worker = SessionWorker(lambda: (gate.wait(30), Loaded())[1])
+    with TestClient(create_app(worker, "m.gguf")) as c:
         r = c.get("/health")
         assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
         assert r.headers["Retry-After"] == "1"
@@ -372,9 +372,9 @@ def test_health_503_while_loading_then_200_or_failed():
         raise ModelError("model file not found: nope.gguf")
 
     failures: list[str] = []
-    engine = Engine(fail, on_failed=failures.append)
-    with TestClient(create_app(engine, "nope.gguf")) as c:
-        engine.join(30)
+    worker = SessionWorker(fail, on_failed=failures.append)
+    with TestClient(create_app(worker, "nope.gguf")) as c:
+        worker.join(30)
         r = c.get("/health")
         assert r.status_code == 503 and "model file not found: nope.gguf" in r.json()["error"]["message"]
     assert failures == ["model file not found: nope.gguf"]
@@ -383,7 +383,7 @@ def test_health_503_while_loading_then_200_or_failed():
 # ----------------------------------------------------------------------------- in process: the queue
 
 class StepSession:
-    """Stands in for Session in the engine: one "x" per verification step; prompt [0] waits for
+    """Stands in for Session in the worker: one "x" per verification step; prompt [0] waits for
     `gate` before its first step."""
 
     def __init__(self) -> None:
@@ -414,11 +414,11 @@ class StepSession:
         self.closed = True
 
 
-def test_engine_fifo_full_queue_cancel_and_shutdown():
+def test_worker_fifo_full_queue_cancel_and_shutdown():
     import asyncio
 
     from orchestrator.decoding.sampling import SamplingParams
-    from orchestrator.server.engine import Engine, Job, QueueFull
+    from orchestrator.server.worker import SessionWorker, Job, QueueFull
 
     fake = StepSession()
 
@@ -430,34 +430,34 @@ def test_engine_fifo_full_queue_cancel_and_shutdown():
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        engine = Engine(lambda: fake, queue_size=2)
-        engine.start()
-        while not engine.ready:
+        worker = SessionWorker(lambda: fake, queue_size=2)
+        worker.start()
+        while not worker.ready:
             await asyncio.sleep(0.01)
         jobs = [Job([i], 3, [], SamplingParams(), loop) for i in range(4)]
-        engine.submit(jobs[0])
-        while engine.current is not jobs[0]:
+        worker.submit(jobs[0])
+        while worker.current is not jobs[0]:
             await asyncio.sleep(0.01)
-        engine.submit(jobs[1])
-        engine.submit(jobs[2])
+        worker.submit(jobs[1])
+        worker.submit(jobs[2])
         with pytest.raises(QueueFull):
-            engine.submit(jobs[3])
-        assert engine.status() == {"state": "ready", "processing": 1, "queued": 2}
+            worker.submit(jobs[3])
+        assert worker.status() == {"state": "ready", "processing": 1, "queued": 2}
         jobs[2].cancel()  # its client left while it waited: never started
         fake.gate.set()
         for job in jobs[:2]:
             text, ev = await drain(job)
             assert (text, ev.kind, ev.aborted) == ("xxx", "done", False)
         long = Job([9], 10 ** 6, [], SamplingParams(), loop)
-        engine.submit(long)
+        worker.submit(long)
         first = await asyncio.wait_for(long.events.get(), 30)
         assert first.kind == "text"
-        engine.shutdown()
+        worker.shutdown()
         text, ev = await drain(long)
         text = first.text + text
         assert ev.kind == "done" and ev.aborted and ev.metrics.stop_reason == "abort"
         assert ev.metrics.n_tokens == len(text) < 10 ** 6
-        await asyncio.to_thread(engine.join, 30)
+        await asyncio.to_thread(worker.join, 30)
         assert fake.started == [0, 1, 9] and fake.closed
 
     asyncio.run(scenario())

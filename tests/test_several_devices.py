@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.engine.native import engine_built
+from orchestrator.runtime.native import engine_built
 
 from engine_common import rpc_main, run_in_own_process
 from test_engine_archs import ARCHS, arch_models  # noqa: F401 - the module-scoped fixture
@@ -28,14 +28,14 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
     """Per architecture: the target with its layers on two devices decodes greedily alone, then
     verifying a pool draft of itself through pools on both devices while random plans change
     them; the tokens must be the same, and both devices must have copied and computed."""
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import SeveralPools, model_layer_devices, model_moe_layers
-    from orchestrator.engine.pool import Budget, PoolDevice
-    from orchestrator.engine.placement import pool_layer_ranges
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import SeveralPools, model_layer_devices, model_moe_layers
+    from orchestrator.runtime.pool import Budget, PoolDevice
+    from orchestrator.runtime.placement import pool_layer_ranges
 
     from test_pool_draft import greedy, speculative_greedy
 
-    from orchestrator.modelio.gguf_export import make_random_model
+    from orchestrator.gguf_files.gguf_export import make_random_model
 
     from engine_common import model_config
 
@@ -79,8 +79,8 @@ def check_every_arch_on_two_devices(devices: list[str], arch_dir: Path) -> None:
 
 
 def check_overlapping_pools_are_refused(devices: list[str], arch_dir: Path) -> None:
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine, NativeError
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine, NativeError
 
     path = arch_dir / "qwen3moe-moe.gguf"
     model = Model(path, repack="off", n_gpu_layers=99, devices=tuple(devices))
@@ -102,11 +102,11 @@ def check_overlapping_pools_are_refused(devices: list[str], arch_dir: Path) -> N
 def check_streamed_prefill_on_two_devices(devices: list[str], tmp: Path) -> None:
     """A 700-token prompt streams its experts through both pools, each device its own layers'
     (the staging copies of the second device start with the ubatch, beside the first's)."""
-    from orchestrator.modelio.gguf_export import make_random_model
-    from orchestrator.engine.llm import Context, Model
-    from orchestrator.engine.native import ExpertEngine, SeveralPools, model_layer_devices
-    from orchestrator.engine.pool import Budget, PoolDevice, StreamPrefill
-    from orchestrator.engine.placement import pool_layer_ranges
+    from orchestrator.gguf_files.gguf_export import make_random_model
+    from orchestrator.runtime.llm import Context, Model
+    from orchestrator.runtime.native import ExpertEngine, SeveralPools, model_layer_devices
+    from orchestrator.runtime.pool import Budget, PoolDevice, StreamPrefill
+    from orchestrator.runtime.placement import pool_layer_ranges
     from orchestrator.policies.plan import Plan
 
     from engine_common import model_config

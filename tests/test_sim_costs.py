@@ -230,8 +230,8 @@ def test_a_hybrid_keeps_kv_in_its_full_attention_blocks_and_a_state_in_the_other
 
 def test_a_hybrid_profile_from_its_gguf(tmp_path):
     """A qwen35moe file's profile counts its KV and recurrent state as the placement does."""
-    from orchestrator.modelio.gguf_export import make_random_model, tiny_config
-    from orchestrator.engine.placement import model_sizes
+    from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
+    from orchestrator.runtime.placement import model_sizes
     from orchestrator.sim.profiles import from_gguf
 
     path = make_random_model(tmp_path / "h.gguf", tiny_config("qwen35moe"))

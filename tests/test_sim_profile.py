@@ -98,8 +98,8 @@ def test_sim_run_and_show_take_a_file(tmp_path):
 
 def test_measure_writes_a_profile_that_loads(tmp_path):
     """A reduced measurement (CPU test device, the shipped tiny target and draft, one repeat)."""
-    from orchestrator.models import MODELS_DIR
-    from orchestrator.engine.native import engine_built
+    from orchestrator.shipped_models import MODELS_DIR
+    from orchestrator.runtime.native import engine_built
 
     if not engine_built():
         pytest.skip("the patched llama.cpp is not built")

@@ -1,6 +1,6 @@
 """include/spac.h, the C API the patch series adds (patches 0002, 0003, 0005, 0008, 0009, 0010,
 0016, 0018, 0020 each add to it), is readable in the repository as one file; this pins it to
-the header the patched tree builds, and orchestrator/engine/native.py's ctypes structs to its structs
+the header the patched tree builds, and orchestrator/runtime/native.py's ctypes structs to its structs
 (size and every field's offset, measured by the C compiler), so that neither side can gain a
 field alone."""
 
@@ -11,7 +11,7 @@ import subprocess
 
 from conftest import LLAMA_CPP_TREE, ROOT, compile_native
 
-from orchestrator.engine.native import SpacEngineParams, SpacEngineStats
+from orchestrator.runtime.native import SpacEngineParams, SpacEngineStats
 
 STRUCTS = {"spac_engine_params": SpacEngineParams, "spac_engine_stats": SpacEngineStats}
 

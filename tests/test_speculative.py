@@ -18,10 +18,10 @@ from scipy import stats
 from orchestrator.decoding.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
 from orchestrator.decoding.speculative import Session, SessionConfig
 from orchestrator.decoding.text import ChatTemplate, TextStream, VocabMismatchError, check_vocab
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import engine_built
-from orchestrator.engine.pool import Budget, PoolDevice
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, make_random_model, random_weights, tiny_config, write_gguf
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import engine_built
+from orchestrator.runtime.pool import Budget, PoolDevice
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, make_random_model, random_weights, tiny_config, write_gguf
 from orchestrator.policies.spac import Ablations
 
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
@@ -80,9 +80,9 @@ def references(models):
     return [target_greedy(models["target"], p, N_TOKENS) for p in prompts()]
 
 
-def session(models, tmp_path, draft="self_draft", gamma=4, engine=False, **kw) -> Session:
+def session(models, tmp_path, draft="self_draft", gamma=4, expert_engine=False, **kw) -> Session:
     cfg = SessionConfig(model=models["target"], draft=models[draft] if draft else None, gamma=gamma, n_ctx=512,
-                        n_threads=1, engine=engine, calibration_cache=tmp_path / "cal.json", **kw)
+                        n_threads=1, expert_engine=expert_engine, calibration_cache=tmp_path / "cal.json", **kw)
     return Session(cfg)
 
 
@@ -91,7 +91,7 @@ def session(models, tmp_path, draft="self_draft", gamma=4, engine=False, **kw) -
 def test_greedy_is_lossless(models, references, tmp_path, gamma, engine):
     if engine and not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=gamma, engine=engine, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) as s:
+    with session(models, tmp_path, gamma=gamma, expert_engine=engine, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) as s:
         for prompt, ref in zip(prompts(), references):
             c = s.complete(prompt, max_tokens=N_TOKENS)
             assert c.tokens == ref, f"prompt {prompt}: first difference at {_first_diff(c.tokens, ref)}"
@@ -107,7 +107,7 @@ def test_engine_ablations_stay_lossless(models, references, tmp_path, ablation):
     if not engine_built():
         pytest.skip("native engine not built")
     ablations = Ablations(**{ablation: True})
-    with session(models, tmp_path, gamma=4, engine=True, ablations=ablations, adaptive_gamma=False) as s:
+    with session(models, tmp_path, gamma=4, expert_engine=True, ablations=ablations, adaptive_gamma=False) as s:
         for prompt, ref in list(zip(prompts(), references))[:3]:
             assert s.complete(prompt, max_tokens=64).tokens == ref[:64]
         m = s.last_metrics
@@ -123,7 +123,7 @@ def test_trace_recording_through_on_step(models, references, tmp_path):
         pytest.skip("native engine not built")
     from orchestrator.sim.trace import TraceWriter, read_trace
 
-    with session(models, tmp_path, gamma=4, engine=True) as s:
+    with session(models, tmp_path, gamma=4, expert_engine=True) as s:
         writer = TraceWriter(tmp_path / "t.npz", n_layer=s.engine.n_moe_layers, n_expert=s.engine.n_expert,
                              top_k=s.engine.n_expert_used, model="random")
         s.on_step = writer.append
@@ -302,7 +302,7 @@ def test_chat_template_from_gguf(models, tmp_path):
     tok = byte_level_bpe_tokenizer(CFG.n_vocab)
     tok.chat_template = CHATML
     path = write_gguf(tmp_path / "chat.gguf", CFG, random_weights(CFG, 1), tok)
-    cfg = SessionConfig(model=path, draft=models["self_draft"], gamma=4, n_ctx=512, n_threads=1, engine=False)
+    cfg = SessionConfig(model=path, draft=models["self_draft"], gamma=4, n_ctx=512, n_threads=1, expert_engine=False)
     with Session(cfg) as s:
         assert s.chat_template is not None and s.chat_template.source == CHATML
         ids = s.chat_tokens([{"role": "user", "content": "hi"}])
@@ -327,15 +327,15 @@ def _first_diff(a, b):
 def test_calibration_is_measured_once_then_cached(models, tmp_path):
     if not engine_built():
         pytest.skip("native engine not built")
-    from orchestrator.engine.calibrate import expert_bytes
+    from orchestrator.runtime.calibrate import expert_bytes
 
     assert expert_bytes(models["target"]) == 3 * CFG.n_ff_exp * CFG.n_embd * 4  # gate, up, down in F32
-    with session(models, tmp_path, gamma=4, engine=True) as s:
+    with session(models, tmp_path, gamma=4, expert_engine=True) as s:
         cal = s.calibration
         assert cal.source == "measured" and cal.n_moe_layers == CFG.n_layer
         for name in ("t_cpu_unit", "t_gpu_unit", "t_io_unit", "t_draft_token", "t_total"):
             assert getattr(cal, name) > 0, name
-    with session(models, tmp_path, gamma=4, engine=True) as s:
+    with session(models, tmp_path, gamma=4, expert_engine=True) as s:
         assert s.calibration.source == "cache" and s.calibration.t_cpu_unit == cal.t_cpu_unit
         s.recalibrate()
         assert s.calibration.source == "measured"
@@ -351,7 +351,7 @@ def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
     if not engine_built():
         pytest.skip("native engine not built")
     ablations = Ablations(no_prefetch=True)
-    with session(models, tmp_path, gamma=4, engine=True, ablations=ablations, adaptive_gamma=False) as s:
+    with session(models, tmp_path, gamma=4, expert_engine=True, ablations=ablations, adaptive_gamma=False) as s:
         s.complete(prompts()[0], max_tokens=16)
         static = s.policy.static
         assert static is not None

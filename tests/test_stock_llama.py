@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from build_native import stock_program
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, read_config, write_gguf
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
-from orchestrator.models import MODELS_DIR, load_llama
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, read_config, write_gguf
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.shipped_models import MODELS_DIR, load_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 

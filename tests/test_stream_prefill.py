@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, Routing, engine_built
-from orchestrator.engine.placement import model_sizes
-from orchestrator.engine.pool import StreamPrefill
-from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, Routing, engine_built
+from orchestrator.runtime.placement import model_sizes
+from orchestrator.runtime.pool import StreamPrefill
+from orchestrator.gguf_files.gguf_export import make_random_model
 from orchestrator.policies.plan import Plan
 
 from engine_common import model_config, rpc_main, run_in_own_process

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from orchestrator.cli.record import record_cmd, record_trace
-from orchestrator.engine.pool import Budget, PoolDevice
-from orchestrator.modelio.gguf_export import make_random_model, tiny_config
+from orchestrator.runtime.pool import Budget, PoolDevice
+from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 from orchestrator.policies import make_policy, observe
 from orchestrator.policies.base import PolicyContext
 from orchestrator.policies.plan import StepRouting
 from orchestrator.sim.simulator import SimConfig, Simulator
 
 speculative = pytest.importorskip("orchestrator.decoding.speculative")
-native = pytest.importorskip("orchestrator.engine.native")
+native = pytest.importorskip("orchestrator.runtime.native")
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64)
 
 
@@ -43,7 +43,7 @@ def session_config(tmp_path_factory, name):
     d = tmp_path_factory.mktemp(name)
     target = make_random_model(d / "target.gguf", CFG, seed=1)
     draft = make_random_model(d / "draft-q4_0.gguf", CFG, seed=1, quant="q4_0")
-    return d, speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, engine=True,
+    return d, speculative.SessionConfig(model=target, draft=draft, gamma=4, n_ctx=512, n_threads=1, expert_engine=True,
                                         pool=(PoolDevice("CPU", Budget(ratio=0.25)),), calibration_cache=d / "cal.json")
 
 

@@ -1,14 +1,14 @@
 """-ub auto: the prompt pass's length from the copy/compute balance and the memory it takes
-(orchestrator/engine/ubatch.py), and the placement that pays for it."""
+(orchestrator/runtime/ubatch.py), and the placement that pays for it."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from orchestrator.engine.placement import GPU, UBATCH_SHARE, place
-from orchestrator.engine.pool import Budget
-from orchestrator.engine.ubatch import DEFAULT_UBATCH, UBATCHES, buffer_growth, compute_buffer_bytes, prompt_ubatch
-from orchestrator.modelio.model_sizes import ModelSizes
+from orchestrator.runtime.placement import GPU, UBATCH_SHARE, place
+from orchestrator.runtime.pool import Budget
+from orchestrator.runtime.ubatch import DEFAULT_UBATCH, UBATCHES, buffer_growth, compute_buffer_bytes, prompt_ubatch
+from orchestrator.gguf_files.model_sizes import ModelSizes
 
 GiB = 1 << 30
 # Qwen3-30B-A3B Q4_K_M: 48 layers of 128 experts (8 used, 768 wide), 2048 wide, 32 heads

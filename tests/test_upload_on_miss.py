@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, engine_built
-from orchestrator.modelio.gguf_export import make_random_model
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, engine_built
+from orchestrator.gguf_files.gguf_export import make_random_model
 
 from engine_common import model_config
 
@@ -154,13 +154,13 @@ def test_a_session_with_llama_cpps_cache_gives_target_only_tokens(models, tmp_pa
     routed expert of its passes on the device and no plan sent."""
     from orchestrator.decoding.sampling import SamplingParams
     from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
-    from orchestrator.engine.pool import Budget, PoolDevice
+    from orchestrator.runtime.pool import Budget, PoolDevice
     from orchestrator.policies.cache import LlamaMoeCache
 
     greedy = SamplingParams(temperature=0)
     base = dict(model=models["q4_k_m"], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
     prompt = [1, 2, 3, 4, 5, 6]
-    with Session(SessionConfig(**base, engine=False)) as plain:
+    with Session(SessionConfig(**base, expert_engine=False)) as plain:
         want = plain.complete(prompt, 24, sampling=greedy).tokens
     for draft in (None, POOL_DRAFT):
         cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))

@@ -19,9 +19,9 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
 from orchestrator.cli.options import check_output, fail
-from orchestrator.engine.llm import ModelError, check_gguf, init_backend
-from orchestrator.modelio.gguf_export import quantize_gguf, read_config
-from orchestrator.modelio.hot_experts import hot_experts, slice_experts
+from orchestrator.runtime.llm import ModelError, check_gguf, init_backend
+from orchestrator.gguf_files.gguf_export import quantize_gguf, read_config
+from orchestrator.gguf_files.hot_experts import hot_experts, slice_experts
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Make a self-draft of a MoE GGUF: a low-bit copy (MoE-SpeQ) or its most-used experts (SpecMoE).")

@@ -4,11 +4,11 @@
     spac chat
     spac calibrate
     spac serve --port 8080      (orchestrator.server)
-    spac rpc-server -p 50052    (this machine's device for --rpc elsewhere; orchestrator.engine.rpc)
+    spac rpc-server -p 50052    (this machine's device for --rpc elsewhere; orchestrator.runtime.rpc)
 
 Options follow llama.cpp's names (-m, -md, --spec-draft-n-max, -t, -c, -p, -f, --temp, --seed,
 ...); the block shared by generate, chat and calibrate (and serve) is declared once in
-`orchestrator.cli.options`. With no -m, the shipped default models (orchestrator/models/MANIFEST.json) are used;
+`orchestrator.cli.options`. With no -m, the shipped default models (orchestrator/shipped_models/MANIFEST.json) are used;
 -m naming the shipped target (or a copy of it) without -md takes the shipped default draft.
 Without a draft, decoding is autoregressive. Bad input is one line on stderr and exit code 2;
 Ctrl-C is `stop: interrupted` and exit code 130.
@@ -40,10 +40,10 @@ from orchestrator.cli import drafts, profile_measure, record
 from orchestrator.cli.options import EXIT_INTERRUPTED, RunOptions, default_threads, fail, run_options
 from orchestrator.cli.setup import open_session, session_setup
 from orchestrator.decoding.speculative import EXACT_ROWS, Session
-from orchestrator.engine import progress, rpc
-from orchestrator.engine.host_layout import set_batch_invariant_rows
-from orchestrator.engine.llm import ModelError, deferred_sigint
-from orchestrator.engine.native import NativeError
+from orchestrator.runtime import progress, rpc
+from orchestrator.runtime.host_layout import set_batch_invariant_rows
+from orchestrator.runtime.llm import ModelError, deferred_sigint
+from orchestrator.runtime.native import NativeError
 from orchestrator.sim import cli as sim_cli
 
 __all__ = ["app", "main"]
@@ -86,7 +86,7 @@ def _describe(session, setup) -> str:
     """The header: models, γ, placement, ablations — one line."""
     parts = [session.target.path.name]
     if session.draft is not None:
-        name = session.cfg.draft if session.draft is session.target else session.draft.path.name  # pool, mtp
+        name = session.draft_kind.value if session.cfg.draft.is_target else session.draft.path.name  # pool, mtp
         parts.append(f"draft {name}, γ={session.gamma}")
     else:
         parts.append("autoregressive")
@@ -183,11 +183,11 @@ def generate(
     if dry_run:
         setup = session_setup(opts)
         cfg = setup.config
-        info = {"model": str(cfg.model), "draft": str(cfg.draft) if cfg.draft else None, "gamma": cfg.gamma if cfg.draft else 0,
-                "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.pool[0].name if cfg.engine is not False else None,
+        info = {"model": str(cfg.model), "draft": None if cfg.draft.none else str(cfg.draft), "gamma": 0 if cfg.draft.none else cfg.gamma,
+                "n_gpu_layers": cfg.n_gpu_layers, "pool_device": cfg.pool[0].name if cfg.expert_engine is not False else None,
                 "budget_bytes": cfg.pool[0].budget.nbytes, "budget_ratio": cfg.pool[0].budget.ratio,
                 "pool_devices": [{"name": d.name, "budget_bytes": d.budget.nbytes, "budget_ratio": d.budget.ratio}
-                                 for d in cfg.pool] if cfg.engine is not False else [],
+                                 for d in cfg.pool] if cfg.expert_engine is not False else [],
                 "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed,
                 "recurrent_state_bytes": setup.state_bytes}
         _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
@@ -222,7 +222,7 @@ def generate(
             # tokens: the generated ids, as llama-server's /completion returns them (`return_tokens`);
             # random weights decode to text that hides what was generated
             out = {"text": session.last_text, "tokens": session.last_tokens, "model": str(session.target.path),
-                   "draft": (None if session.draft is None else session.cfg.draft if session.draft is session.target
+                   "draft": (None if session.draft is None else session.draft_kind.value if session.cfg.draft.is_target
                              else str(session.draft.path)),
                    "engine": session.engine is not None, **_run_info(session, setup, opts), **m.to_dict()}
             _write(json.dumps(out) + "\n")
@@ -369,7 +369,7 @@ def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> 
 @run_options("model")
 def calibrate(*, opts: RunOptions) -> None:
     """Measure the unit costs of the workload balancer again and print them as JSON."""
-    opts = replace(opts, recalibrate=True, engine=True, ablations=())
+    opts = opts.replace(recalibrate=True, expert_engine=True, ablations=())
     try:
         session, _ = open_session(opts, err)
     except KeyboardInterrupt:

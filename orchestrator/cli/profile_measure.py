@@ -61,12 +61,12 @@ from typing import Optional
 import numpy as np
 import typer
 
-from orchestrator.engine.llm import Context, Model
-from orchestrator.engine.native import ExpertEngine, Routing, copies_block_compute
-from orchestrator.engine.placement import devices, first_gpu
-from orchestrator.engine.rpc import rpc_device
-from orchestrator.modelio.gguf_export import byte_level_bpe_tokenizer, write_gguf
-from orchestrator.modelio.synthetic_models import PRESETS, synthetic_tensors
+from orchestrator.runtime.llm import Context, Model
+from orchestrator.runtime.native import ExpertEngine, Routing, copies_block_compute
+from orchestrator.runtime.placement import devices, first_gpu
+from orchestrator.runtime.rpc import rpc_device
+from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, write_gguf
+from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 from orchestrator.policies.plan import Plan
 from orchestrator.sim import profiles
 from orchestrator.sim.profiles import MeasuredProfile

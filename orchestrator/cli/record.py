@@ -17,7 +17,7 @@ import typer
 from orchestrator.cli.options import RunOptions, run_options
 from orchestrator.cli.setup import open_session
 from orchestrator.decoding.sampling import SamplingParams
-from orchestrator.engine.placement import first_gpu
+from orchestrator.runtime.placement import first_gpu
 from orchestrator.policies.plan import StepRouting
 from orchestrator.sim.cli import console, err_console, working
 from orchestrator.sim.trace import Trace, TraceWriter, read_trace
@@ -64,7 +64,7 @@ def record_cmd(out: Path = typer.Argument(..., help="trace file to write (.npz)"
         raise typer.BadParameter("give --prompt or --prompts-file", param_hint="--prompt")
     if opts.pool[0].name is None and first_gpu() is None:  # no --device and no GPU: the CPU test device
         opts = replace(opts, pool=(replace(opts.pool[0], name="CPU"),))
-    session, _ = open_session(replace(opts, engine=True), err_console)
+    session, _ = open_session(opts.replace(expert_engine=True), err_console)
     try:
         with working(f"recording {len(texts)} prompt(s) x {n_predict} tokens"), session:
             t = record_trace(session, out, texts, n_predict)

@@ -3,41 +3,43 @@
     setup = session_setup(opts)            # loads nothing: `spac generate --dry-run` prints setup.notes
     session, setup = open_session(opts, err)  # its loading shown on stderr; or one line there and exit 2
 
-`resolve_models` picks the target and the draft (-m/-md, the shipped models, else the pool
-draft); `session_setup` checks the files, lists the devices (registering --rpc servers first),
-places the weights (engine/placement.py) and returns the SessionConfig with a note per decision.
+`session_setup` reads top to bottom: options (`resolve_models`: -m/-md/--draft, the shipped
+models, else the pool draft, as a `Draft`; the files checked) → devices (`_pool_devices`:
+--engine, --rpc servers registered first, --device against ggml's list) → placement (`_place`,
+runtime/placement.py; `_place_without_pool_draft` when a hybrid's pool draft lost its pool) →
+the session's config (`RunOptions.config` with what was resolved), with a note per decision.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
 
-from orchestrator import models
+from orchestrator import shipped_models
 from orchestrator.cli.options import RunOptions, fail
-from orchestrator.decoding.mtp_draft import MTP_DRAFT
-from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
-from orchestrator.engine import progress
-from orchestrator.engine.llm import ModelError, check_gguf
-from orchestrator.engine.native import NativeError, engine_built
-from orchestrator.engine.placement import (GPU, PlacementError, devices, first_gpu, model_sizes, place, place_several,
+from orchestrator.decoding.draft import NO_DRAFT, POOL_DRAFT, Draft, DraftKind
+from orchestrator.decoding.speculative import Session, SessionConfig
+from orchestrator.runtime import progress
+from orchestrator.runtime.llm import ModelError, check_gguf
+from orchestrator.runtime.native import NativeError, engine_built
+from orchestrator.runtime.placement import (GPU, PlacementError, devices, first_gpu, model_sizes, place, place_several,
                                            recurrent_states)
-from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
-from orchestrator.engine.rpc import register_servers
+from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
+from orchestrator.runtime.rpc import register_servers
 
 
 def default_models(models_dir: Path | None = None) -> tuple[Path | None, Path | None]:
-    """(target, default draft) of the shipped models (`orchestrator.models`), or (None, None)
+    """(target, default draft) of the shipped models (`orchestrator.shipped_models`), or (None, None)
     when there is no manifest; the draft is None if the manifest names none."""
-    models_dir = models_dir or models.MODELS_DIR
+    models_dir = models_dir or shipped_models.MODELS_DIR
     try:
-        target = models.default_model("target", models_dir)
+        target = shipped_models.default_model("target", models_dir)
     except (OSError, KeyError, ValueError):
         return None, None
     try:
-        draft = models.default_model("draft", models_dir)
+        draft = shipped_models.default_model("draft", models_dir)
     except (KeyError, ValueError):
         draft = None
     return target, draft
@@ -49,36 +51,36 @@ def _is_shipped_target(path: Path, target: Path) -> bool:
     try:
         if path.resolve() == target.resolve():
             return True
-        entry = next(f for f in models.manifest(target.parent)["files"] if f["role"] == "target")
-        return path.stat().st_size == entry["bytes"] and models.sha256_file(path) == entry["sha256"]
+        entry = next(f for f in shipped_models.manifest(target.parent)["files"] if f["role"] == "target")
+        return path.stat().st_size == entry["bytes"] and shipped_models.sha256_file(path) == entry["sha256"]
     except (OSError, KeyError, StopIteration, ValueError):
         return False
 
 
-def resolve_models(opts: RunOptions) -> tuple[Path, Path | None, str]:
+def resolve_models(opts: RunOptions) -> tuple[Path, Draft, str]:
     """(target, draft, note): -m/-md, else the shipped models, else the pool draft (POOL_DRAFT,
     dropped by session_setup when the pool is off); note says why there is no draft."""
-    model, draft = opts.model, opts.model_draft
+    model = opts.model
+    draft = Draft.of(opts.model_draft) if opts.draft is None else Draft.of(opts.draft)
     shipped_target, shipped_draft = default_models()
     note = ""
-    if opts.draft in ("pool", "mtp"):
-        draft = POOL_DRAFT if opts.draft == "pool" else MTP_DRAFT
     if model is None:
         if shipped_target is None:
-            fail("no model given (-m) and no shipped default models (orchestrator/models/MANIFEST.json is missing)")
+            fail("no model given (-m) and no shipped default models (orchestrator/shipped_models/MANIFEST.json is missing)")
         model = shipped_target
-        draft = draft or shipped_draft
-    elif draft is None:
+        if draft.none and opts.draft is None:
+            draft = Draft.of(shipped_draft)
+    elif draft.none and opts.draft is None:
         if shipped_target is not None and _is_shipped_target(model, shipped_target):
-            draft = shipped_draft
+            draft = Draft.of(shipped_draft)
         else:
             draft = POOL_DRAFT  # the target drafts through its pool, if it gets one (session_setup)
-    if opts.draft == "none":
-        draft, note = None, "no draft (--draft none)"
-    if opts.draft_max == 0 and draft is not None:
-        draft, note = None, "no draft (--spec-draft-n-max 0)"
-    if "no_sd" in opts.ablations and draft is not None:
-        draft, note = None, "no draft (--no-sd)"
+    if opts.draft is DraftKind.NONE:
+        draft, note = NO_DRAFT, "no draft (--draft none)"
+    if opts.config.gamma == 0 and not draft.none:
+        draft, note = NO_DRAFT, "no draft (--spec-draft-n-max 0)"
+    if "no_sd" in opts.ablations and not draft.none:
+        draft, note = NO_DRAFT, "no draft (--no-sd)"
     return model, draft, note
 
 
@@ -92,25 +94,65 @@ class Setup:
     state_bytes: int = 0       # a hybrid model's recurrent states, every layer (placement.recurrent_states)
 
 
+@dataclass
+class _Devices:
+    """The pool's devices as session_setup found them: names (none: no pool device), budgets, what ggml sees."""
+
+    names: list[str]
+    budgets: list[Budget]
+    seen: dict[str, GPU]
+    expert_engine: bool | None  # True: asked for (a failure is an error), None: when possible, False: off
+
+
 def session_setup(opts: RunOptions) -> Setup:
-    """SessionConfig and placement from the options; a bad file, device or budget is `fail`."""
+    """SessionConfig and placement from the options; a bad file, device or budget is `fail`.
+    Options → devices → placement → the session's config, top to bottom."""
     model, draft, draft_note = resolve_models(opts)
-    for path in (model, draft):
-        if path is not None and path not in (POOL_DRAFT, MTP_DRAFT):
+    sizes = _check_files(model, draft)
+    dev = _pool_devices(opts, sizes)
+    p = _place(opts, sizes, dev, draft)
+    off = _pool_off(model, sizes, dev.expert_engine, p)
+    if draft.kind is DraftKind.POOL and off and sizes.state_bytes:
+        p, off = _place_without_pool_draft(opts, sizes, dev, model)
+    if not p.stream_prefill and opts.config.stream_prefill in (StreamPrefill.AHEAD, StreamPrefill.USED):  # asked for
+        fail(f"--stream-prefill {opts.config.stream_prefill.value}: {p.stream_off} (a smaller --expert-budget makes room)")
+    notes = [n for n in (draft_note,) if n] + [off or p.note]
+    if draft.kind is DraftKind.POOL and off:
+        if opts.draft is DraftKind.POOL:
+            fail(f"--draft pool needs the expert pool, which is off: {off}")
+        draft = NO_DRAFT
+        notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
+    elif draft.kind is DraftKind.POOL:
+        notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
+    pool = p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
+    stream = opts.config.stream_prefill if p.stream_prefill else StreamPrefill.OFF
+    cfg = replace(opts.config, model=model, draft=draft, n_batch=opts.ubatch_size or p.ubatch, n_threads=opts.threads,
+                  n_gpu_layers=p.n_gpu_layers, expert_engine=False if off else dev.expert_engine, pool=pool,
+                  stream_prefill=stream.resolve(pool[0]), tensor_split=p.tensor_split,
+                  ablations=opts.ablation_switches())
+    return Setup(cfg, notes, off, p.state_bytes)
+
+
+def _check_files(model: Path, draft: Draft):
+    """The GGUF files readable, and the target's sizes from its header (placement.model_sizes)."""
+    for path in (model, draft.path):
+        if path is not None:
             try:
                 check_gguf(path)
             except ModelError as e:
                 fail(str(e))
     try:
-        sizes = model_sizes(model)
+        return model_sizes(model)
     except Exception as e:  # noqa: BLE001 - the gguf reader raises many kinds on a damaged file
         fail(f"{model}: cannot read the GGUF header ({type(e).__name__}: {e})")
-    n_ctx = opts.ctx_size or sizes.n_ctx_train or 4096
-    engine = opts.engine
+
+
+def _pool_devices(opts: RunOptions, sizes) -> _Devices:
+    """--engine, --rpc, --device and --expert-budget against what ggml sees: the pool's devices."""
+    engine = opts.config.expert_engine
     if engine is None and any(d.name is not None or not d.budget.auto for d in opts.pool):
         engine = True  # asked for a pool: failing to make one is an error, not a silent fallback
-    built = engine_built()
-    if engine and not built:
+    if engine and not engine_built():
         fail("--engine/--device/--expert-budget: this llama.cpp has no spac engine (run scripts/build_native.py)")
     if opts.rpc:  # before anything lists devices: the servers' devices join ggml's list
         try:
@@ -130,65 +172,51 @@ def session_setup(opts: RunOptions) -> Setup:
             # as llama.cpp: every GPU it sees takes layers (an RPC server's device counts as one)
             names = [name for name, kind, _, _ in listed if kind == 1]
             budgets = budgets * max(len(names), 1)  # --expert-budget without --device: one value for every GPU
+    return _Devices(names, budgets, seen, engine)
 
-    stream = opts.stream_prefill is not StreamPrefill.OFF
 
-    def plan(states: int):
-        try:
-            if len(names) > 1:
-                if not sizes.expert_bytes or engine is False:
-                    fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
-                         "give one device")
-                return place_several(sizes, n_ctx, [seen[n] for n in names], budgets, opts.n_gpu_layers,
-                                     stream=stream, states=states)
-            return place(sizes, n_ctx, first_gpu(), opts.pool[0].name, budgets[0], opts.n_gpu_layers,
-                         engine if sizes.expert_bytes else False, stream=stream, states=states,
-                         auto_ubatch=not opts.ubatch_size)
-        except PlacementError as e:
-            fail(str(e))
+def _place(opts: RunOptions, sizes, dev: _Devices, draft: Draft, states: int | None = None):
+    """The placement (runtime/placement.py) on the pool's devices. A hybrid's recurrent states:
+    γ snapshots in the target's context when it speculates, two in a pool draft's."""
+    if states is None:
+        states = recurrent_states(opts.config.gamma if not draft.none else 0, draft.kind is DraftKind.POOL)
+    stream = opts.config.stream_prefill is not StreamPrefill.OFF
+    try:
+        if len(dev.names) > 1:
+            if not sizes.expert_bytes or dev.expert_engine is False:
+                fail("--device with several devices: the expert pool is off (--no-engine or a dense model); "
+                     "give one device")
+            return place_several(sizes, opts.config.n_ctx or sizes.n_ctx_train or 4096, [dev.seen[n] for n in dev.names],
+                                 dev.budgets, opts.n_gpu_layers, stream=stream, states=states)
+        return place(sizes, opts.config.n_ctx or sizes.n_ctx_train or 4096, first_gpu(), opts.pool[0].name,
+                     dev.budgets[0], opts.n_gpu_layers, dev.expert_engine if sizes.expert_bytes else False,
+                     stream=stream, states=states, auto_ubatch=not opts.ubatch_size)
+    except PlacementError as e:
+        fail(str(e))
 
-    def pool_off(p) -> str:
-        if not sizes.expert_bytes:
-            return f"expert pool off: {model.name} is dense (no routed experts)"
-        if engine is False:
-            return "expert pool off (--no-engine)"
-        if not built:
-            return "expert pool off: this llama.cpp has no spac engine (scripts/build_native.py)"
-        return p.note if not p.pool else ""
 
-    # a hybrid's recurrent states: γ snapshots in the target's context when it speculates, two in a pool draft's
-    p = plan(recurrent_states(opts.draft_max if draft is not None else 0, draft == POOL_DRAFT))
-    off = pool_off(p)
-    if draft == POOL_DRAFT and off and sizes.state_bytes:  # no pool, no pool draft: the target's one state
-        p = plan(recurrent_states(0, False))
-        off = pool_off(p)
-    if not p.stream_prefill and opts.stream_prefill in (StreamPrefill.AHEAD, StreamPrefill.USED):  # asked for: an error
-        fail(f"--stream-prefill {opts.stream_prefill.value}: {p.stream_off} (a smaller --expert-budget makes room)")
-    notes = [n for n in (draft_note,) if n]
-    notes.append(off or p.note)
-    if draft == POOL_DRAFT and off:
-        if opts.draft == "pool":
-            fail(f"--draft pool needs the expert pool, which is off: {off}")
-        draft = None
-        notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
-    elif draft == POOL_DRAFT:
-        notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
-    cfg = SessionConfig(model=model, draft=draft, gamma=opts.draft_max, n_ctx=opts.ctx_size, n_batch=opts.ubatch_size or p.ubatch,
-                        n_threads=opts.threads,
-                        repack=opts.repack, n_gpu_layers=p.n_gpu_layers, engine=False if off else engine,
-                        pool=p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),),
-                        stream_prefill=opts.stream_prefill if p.stream_prefill else StreamPrefill.OFF,
-                        tensor_split=p.tensor_split,
-                        ablations=opts.ablation_switches(),
-                        recalibrate=opts.recalibrate, verbose=opts.verbose, check_tensors=opts.check_tensors,
-                        mmap=opts.mmap, pin_mapping=opts.pin_mapping, exact=opts.exact)
-    return Setup(cfg, notes, off, p.state_bytes)
+def _pool_off(model: Path, sizes, engine: bool | None, p) -> str:
+    """Why the expert pool is off ("" when it is on)."""
+    if not sizes.expert_bytes:
+        return f"expert pool off: {model.name} is dense (no routed experts)"
+    if engine is False:
+        return "expert pool off (--no-engine)"
+    if not engine_built():
+        return "expert pool off: this llama.cpp has no spac engine (scripts/build_native.py)"
+    return p.note if not p.pool else ""
+
+
+def _place_without_pool_draft(opts: RunOptions, sizes, dev: _Devices, model: Path):
+    """Placed again for a hybrid whose pool draft was planned but whose pool is off: without the
+    pool draft's two recurrent states, only the target's one (no pool, no pool draft)."""
+    p = _place(opts, sizes, dev, NO_DRAFT, states=recurrent_states(0, False))
+    return p, _pool_off(model, sizes, dev.expert_engine, p)
 
 
 def open_session(opts: RunOptions, err: Console | None = None, plain_progress: bool = False):
     """(Session, Setup), or one clear line and exit 2 (bad file, vocabulary mismatch, engine).
     Ctrl-C while loading raises KeyboardInterrupt (never lost in a native callback). The loading's
-    phases are shown on stderr (engine/progress.py): live on `err` when it is a terminal, else, or
+    phases are shown on stderr (runtime/progress.py): live on `err` when it is a terminal, else, or
     with plain_progress (--json), as plain lines."""
     setup = session_setup(opts)
     try:

@@ -31,11 +31,10 @@ import numpy as np
 
 import llama_cpp as L
 
-from orchestrator.engine.llm import Context, Model, ModelError
-from orchestrator.engine.native import lib
+from orchestrator.decoding.draft import MTP_DRAFT  # noqa: F401 - SessionConfig.draft: the target's MTP head
+from orchestrator.runtime.llm import Context, Model, ModelError
+from orchestrator.runtime.native import lib
 
-# SessionConfig.draft: the target's MTP head (a context on the loaded target, no second model)
-MTP_DRAFT = "mtp"
 
 
 def mtp_layers(model: Model) -> int:

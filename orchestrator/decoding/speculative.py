@@ -23,10 +23,11 @@ sequence (chat turns re-render the whole conversation and pay only for the new p
 Greedy decoding is token-identical to target-only greedy decoding: the verify pass computes the
 same logits a single-token decode would, and the accepted tokens are the target's argmax.
 
-Why one module of ~620 lines: the session's state (token sequence, two KV caches or a
+Why one module of ~690 lines: the session's state (token sequence, two KV caches or a
 recurrent fork, plan in force, governor, draft routing) is shared by every step of the loop,
 and opening it (target, draft of four kinds, engine over one or several devices, calibration)
-decides what the loop may do; the maths (sampling.py), the text (text.py), the MTP draft
+decides what the loop may do (its config declares the session's own flags, orchestrator/option.py:
+one declaration each); what drafts (draft.py), the maths (sampling.py), the text (text.py), the MTP draft
 (mtp_draft.py), the policies and the engine bindings live elsewhere.
 """
 
@@ -36,21 +37,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
+from orchestrator.decoding.draft import MTP_DRAFT, NO_DRAFT, POOL_DRAFT, Draft, DraftKind  # noqa: F401 - re-exported
 from orchestrator.decoding.governor import Governor, GovernorConfig
 from orchestrator.decoding.metrics import RunMetrics, RunRecorder
-from orchestrator.decoding.mtp_draft import MTP_DRAFT, MtpDraft, require_mtp
+from orchestrator.decoding.mtp_draft import MtpDraft, require_mtp
 from orchestrator.decoding.sampling import SamplingParams, distribution, sample, verify_greedy, verify_sampled
 from orchestrator.decoding.text import ChatTemplate, TextStream, check_vocab
-from orchestrator.engine import calibrate
-from orchestrator.engine.host_layout import set_batch_invariant_rows
-from orchestrator.engine.llm import DEFAULT_REPACK, Context, Model, ModelError
-from orchestrator.engine.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
+from orchestrator.option import at_least, one_of, option
+from orchestrator.runtime import calibrate
+from orchestrator.runtime.host_layout import Repack, set_batch_invariant_rows
+from orchestrator.runtime.llm import Context, Model, ModelError
+from orchestrator.runtime.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
                                         model_layer_devices, model_moe_layers)
-from orchestrator.engine.placement import PlacementError, pool_layer_ranges
-from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
+from orchestrator.runtime.placement import PlacementError, pool_layer_ranges
+from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
 from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.plan import Plan, StepRouting
@@ -70,50 +74,85 @@ def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Polic
 
 # ----------------------------------------------------------------------------- session
 
-# SessionConfig.draft: the target itself as the draft, a second context on the loaded model whose
-# MoE layers route only among the experts resident in the pool (no second model, no expert memory)
-POOL_DRAFT = "pool"
-# or MTP_DRAFT: the target's multi-token-prediction head (`orchestrator.decoding.mtp_draft`)
-
-
 # the batches computed as one token is, as many as llama.cpp's expert cache counts as a verify pass
 EXACT_ROWS = 32
 
 
 @dataclass
 class SessionConfig:
+    """What a Session opens and how it decodes. A field declared with `option` is also a flag of
+    `spac generate`/`chat`/`serve` (cli/options.py makes the typer parameter from it, the same
+    name, type, default, help and check); the others are filled in by cli/setup.py's
+    `session_setup` from the CLI-only flags (-m/-md/--draft, --device, --expert-budget, -ngl, -ub)."""
+
     model: str | Path
-    draft: str | Path | None = None
-    gamma: int = 8               # the draft length, or its upper bound with adaptive_gamma
+    # a Draft (orchestrator.decoding.draft); None, a path, "pool" or "mtp" are taken as Draft.of takes them
+    draft: Draft | str | Path | None = NO_DRAFT
+    # the draft length, or its upper bound with adaptive_gamma
+    gamma: int = option("--spec-draft-n-max", "--draft-max", default=8, check=at_least(0, "0: no draft"),
+                        help="most draft tokens per verification step; greedy: γ adapts below it every step (MoE-SpeQ's "
+                        "governor), sampling: γ is this bound (the same seed gives the same text); 0 = no draft")
+    gamma_min: int = option("--spec-draft-n-min", "--draft-min", default=0, check=at_least(0),
+                            help="fewest draft tokens per verification step once drafting (llama.cpp's --draft-min); "
+                            "0 lets the governor take a plain target step where drafting does not pay")
     adaptive_gamma: bool = True  # greedy: γ chosen every step by MoE-SpeQ's governor (orchestrator.decoding.governor)
     k_max: int = 4
     lam: float = 0.1
-    n_ctx: int = 0               # 0: the target's training context (GGUF context_length)
+    n_ctx: int = option("-c", "--ctx-size", default=0, check=at_least(0, "0: the model's"),
+                        help="context size, 0 = the model's")  # 0: the GGUF's context_length
     n_batch: int = 512
     n_threads: int = 2
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
-    repack: str = DEFAULT_REPACK  # the host weights' layout: auto | on | off (orchestrator.engine.host_layout)
-    mmap: bool = True  # False: llama.cpp's --no-mmap (a GPU's pinned host buffers: faster pool copies)
-    pin_mapping: bool = False  # the mapped file's experts registered as the pool device's pinned memory
-    engine: bool | None = None   # None: on when the native engine is built, else off
+    repack: Repack = option("--repack", default=Repack.AUTO, cli_type=str, check=one_of(Repack), help=(
+        "host weights' layout: auto (per tensor type, measured on this CPU: the repacked layout, "
+        "spac's CPU_EXACT for Q4_0/Q8_0/IQ4_NL/Q4_K/Q5_K/Q6_K and llama.cpp's for the rest, where it decodes faster, "
+        "the file's plain layout for prompts where that is faster; a GPU run's experts: CPU_EXACT with plain twins "
+        "for its prompts, or plain), on (each weight in the first layout that takes it, as llama.cpp's --repack 1: CPU_EXACT "
+        "first; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on the CPU), off (the file's layout); "
+        "with --no-exact, llama.cpp's layouts only (no CPU_EXACT)"))
+    expert_engine: bool | None = option(
+        "--engine/--no-engine", default=None, cli_type=Optional[bool], show_default=False,
+        help="expert pool on/off \\[default: on when built and a pool device exists]")  # the ExpertEngine
     # the pool's devices with their budgets: "CPU" (the test device, a second host buffer) or ggml
     # names; several: llama.cpp's layer split puts a range of layers on each, and each pool holds
     # its own layers' experts (a budget ratio is a share of those)
     pool: tuple[PoolDevice, ...] = (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
-    stream_prefill: StreamPrefill = StreamPrefill.AUTO  # prompts' experts through the pool (patch 0016)
+    # prompts' experts through the pool (patch 0016); AUTO resolved against pool[0] when the pool opens
+    stream_prefill: StreamPrefill = option("--stream-prefill", default=StreamPrefill.AUTO, cli_type=str,
+                                           check=one_of(StreamPrefill), help=(
+        "prompt passes of more than 64 tokens compute their experts on the pool device: "
+        "ahead (copy every non-resident expert of the next layer while one computes), used (copy the experts a "
+        "layer's router chose, once it has run), off (llama.cpp's prefill), auto (ahead on a GPU or RPC pool, off "
+        "on --device CPU)"))
     tensor_split: tuple[float, ...] = ()  # llama.cpp's --tensor-split over the pool's devices (() = by free memory)
     ablations: Ablations = field(default_factory=Ablations)
-    recalibrate: bool = False
-    calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
-    verbose: bool = False
-    check_tensors: bool = False  # llama.cpp's --check-tensors: validate the weights' data on load
     # batches of up to EXACT_ROWS tokens (gamma + 1 if larger) computed row by row as one token
     # is (ggml-cpu's batch-invariant mode, patch 0022): verify passes give exactly the one-token logits
-    exact: bool = True
+    exact: bool = option("--exact/--no-exact", default=True, help=(
+        "host matmuls and attention of up to 32 tokens (--draft-max + 1 if more) compute every row as "
+        "one token does, so speculative greedy output is exactly target-only's on the host (a verify pass's dense "
+        "weights then take one-row kernels); --no-exact: llama.cpp's kernels in llama.cpp's layouts, as stock llama.cpp "
+        "computes, faster verify passes whose rounding may turn a near-tie into another token"))
+    check_tensors: bool = option("--check-tensors", default=False,
+                                 help="check the model's tensor data for NaN/Inf on load (as llama.cpp's)")
+    mmap: bool = option("--mmap/--no-mmap", default=True, help=(
+        "map the model file (llama.cpp's default); --no-mmap reads the host weights into "
+        "memory: with a GPU into its pinned host buffers, which the expert pool and op offload copy from several "
+        "times faster (H100: 55 against 6.3 GB/s); without a GPU it only costs the plain-layout prompt kernels "
+        "of repacked types (they read the mapping)"))
+    pin_mapping: bool = option("--pin-mapping", default=False, help=(
+        "register the mapped file's experts as the pool GPU's pinned host memory, so that the pool "
+        "copies them at the pinned rate without --no-mmap's second copy of the weights; reads in and pins that "
+        "whole range at load (off by default: not yet measured on a GPU); said in the log where the device cannot"))
+    recalibrate: bool = option("--recalibrate", default=False, help="measure the unit costs again")
+    calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
+    verbose: bool = option("--verbose", default=False, help="llama.cpp logs")
 
     def __post_init__(self) -> None:
-        self.stream_prefill = StreamPrefill(self.stream_prefill).resolve(self.pool[0])
+        self.draft = Draft.of(self.draft)
+        self.repack = Repack.of(self.repack)
+        self.stream_prefill = StreamPrefill(self.stream_prefill)  # AUTO is resolved where the pool opens
 
 
 @dataclass
@@ -138,6 +177,7 @@ class Session:
         self.last_draft_routing: np.ndarray | None = None  # [n_drafted, n_layer, top_k] of the last step
         self.policy = policy
         self.draft = self.draft_ctx = None
+        self.draft_kind = DraftKind.NONE  # what drafts now (NONE once a draft is dropped)
         self.engine_note = ""
         self._native_cache = False  # the engine's upload-on-miss LRU instead of plans (patch 0023)
         self._models: list[Model] = []
@@ -171,19 +211,21 @@ class Session:
         # is such a batch too, and target-only output is the reference
         set_batch_invariant_rows(max(EXACT_ROWS, cfg.gamma + 1) if cfg.exact else 0)
         on_gpu = not cfg.pool[0].on_host  # CPU: the test device, a second host buffer
-        mtp = cfg.draft == MTP_DRAFT and not ab.no_sd
+        kind = DraftKind.NONE if ab.no_sd else cfg.draft.kind
+        mtp = kind is DraftKind.MTP
         self.target = self._model(cfg.model, cfg.n_gpu_layers,
                                   devices=tuple(d.name for d in cfg.pool) if on_gpu else (),
                                   tensor_split=cfg.tensor_split if on_gpu else (), mtp=mtp)
-        pool_draft = cfg.draft == POOL_DRAFT and not ab.no_sd
-        if pool_draft:
-            self.draft = self.target if self.target.n_expert and cfg.engine is not False else None
-        elif mtp:  # the head is the target's: its model, its vocabulary
+        if kind is DraftKind.POOL:
+            self.draft = self.target if self.target.n_expert and cfg.expert_engine is not False else None
+        elif kind is DraftKind.MTP:  # the head is the target's: its model, its vocabulary
             require_mtp(self.target)
             self.draft = self.target
-        elif cfg.draft is not None and not ab.no_sd:
-            self.draft = self._model(cfg.draft, cfg.n_gpu_layers_draft)
+        elif kind is DraftKind.FILE:
+            self.draft = self._model(cfg.draft.path, cfg.n_gpu_layers_draft)
             check_vocab(self.target, self.draft)
+        # the kind of draft in force (NONE once dropped): what the loop asks, never `draft is target`
+        self.draft_kind = kind if self.draft is not None else DraftKind.NONE
         n_batch = max(cfg.n_batch, cfg.gamma + 1)
         trained = self.target.meta(f"{self.target.arch}.context_length")
         self.n_ctx = cfg.n_ctx or int(trained or 4096)
@@ -199,17 +241,18 @@ class Session:
             self.draft_ctx = MtpDraft(self.target, self.ctx, n_batch, cfg.n_threads)
             self._contexts.append(self.draft_ctx)
         elif self.draft is not None:  # a pool draft's compute buffers: sized for drafting, not prefill
-            self.draft_ctx = self._context(self.draft, self.n_ctx, n_batch if self.draft is not self.target
-                                           else max(cfg.gamma + 1, 16), cfg.n_threads, forks=True)
+            self.draft_ctx = self._context(self.draft, self.n_ctx, max(cfg.gamma + 1, 16) if kind is DraftKind.POOL
+                                           else n_batch, cfg.n_threads, forks=True)
         self.mode = "speculative" if self.draft is not None else "autoregressive"
         self.gamma = cfg.gamma if self.draft is not None else 0
-        self.governor = Governor(GovernorConfig(gamma_max=self.gamma)) if cfg.adaptive_gamma and self.gamma else None
+        self.governor = (Governor(GovernorConfig(gamma_max=self.gamma, gamma_min=min(cfg.gamma_min, self.gamma)))
+                         if cfg.adaptive_gamma and self.gamma else None)
         self.chat_template = ChatTemplate.from_model(self.target)
-        if cfg.engine is not False and self.target.n_expert:
+        if cfg.expert_engine is not False and self.target.n_expert:
             self._open_engine(cfg)
-        elif cfg.engine and not self.target.n_expert:
+        elif cfg.expert_engine and not self.target.n_expert:
             self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
-        if pool_draft and self.engine is None:  # no pool, no pool draft: decode autoregressively
+        if kind is DraftKind.POOL and self.engine is None:  # no pool, no pool draft: decode autoregressively
             self._drop_draft()
 
     def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
@@ -231,10 +274,11 @@ class Session:
         if self.draft_ctx is not None:
             self._contexts.remove(self.draft_ctx)
             self.draft_ctx.close()
-        if self.draft is not None and self.draft is not self.target:
+        if self.draft_kind is DraftKind.FILE:
             self._models.remove(self.draft)
             self.draft.close()
         self.draft = self.draft_ctx = None
+        self.draft_kind = DraftKind.NONE
         self.mode, self.gamma = "autoregressive", 0
 
     def _open_engine(self, cfg: SessionConfig) -> None:
@@ -244,7 +288,7 @@ class Session:
         # (patch 0023): each layer uploads its misses into LRU slots; the session sends no plans
         self._native_cache = bool(self.policy.readback_max_tokens) and not getattr(self.policy, "per_layer", False)
         try:
-            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill,
+            engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill.resolve(cfg.pool[0]),
                                upload_on_miss_tokens=self.policy.readback_max_tokens if self._native_cache else 0,
                                pin_mapping=cfg.pin_mapping)
             if len(cfg.pool) > 1:  # one pool per device, on the layers llama.cpp placed there
@@ -258,11 +302,11 @@ class Session:
                 self.engine = ExpertEngine(self.ctx.ptr, self.target.path, device=one.name, budget_bytes=one.budget.nbytes,
                                            budget_ratio=one.budget.ratio, **engine_args)
         except (NativeError, PlacementError) as e:
-            if cfg.engine:
+            if cfg.expert_engine:
                 raise
             self.engine_note = f"expert engine off: {e}"
             return
-        if self.draft is self.target and not isinstance(self.draft_ctx, MtpDraft):
+        if self.draft_kind is DraftKind.POOL:
             self.engine.attach_draft(self.draft_ctx.ptr)
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self._open_draft_routing()
@@ -293,7 +337,7 @@ class Session:
                             device=",".join(d.name for d in cfg.pool), n_threads=cfg.n_threads,
                             budget=",".join(str(d.budget.nbytes or d.budget.ratio) for d in cfg.pool),
                             gamma=self.gamma, k_max=cfg.k_max,
-                            draft_kind=cfg.draft if self.draft is self.target else "")
+                            draft_kind=self.draft_kind.value if self.draft_kind in (DraftKind.POOL, DraftKind.MTP) else "")
         self.calibration = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
         self._plan_sent = self._plan_in_force = None
         # initial placement, with the calibration as the first measurement
@@ -307,7 +351,7 @@ class Session:
         drafts: export that routing too, a lookahead for the next verify pass."""
         d, t = self.draft, self.target
         # an MTP head's MoE layer is its own, not one of the target's: no lookahead from it
-        if d is None or self.draft_ctx is None or d.n_expert != t.n_expert or isinstance(self.draft_ctx, MtpDraft):
+        if self.draft_kind is DraftKind.MTP or d is None or self.draft_ctx is None or d.n_expert != t.n_expert:
             return
         key = "{}.expert_used_count"
         if d.meta(key.format(d.arch)) != t.meta(key.format(t.arch)):
@@ -323,8 +367,7 @@ class Session:
         lookahead policy add prefetches while the draft goes on."""
         # [n_layer, n_tokens, top_k], the consumed token last; a pool draft routes only among the
         # resident experts, so its lookahead is what its router would have chosen unmasked
-        pool_draft = self.draft is self.target
-        ids = self.draft_routing.unmasked() if pool_draft else self.draft_routing.last()[0]
+        ids = self.draft_routing.unmasked() if self.draft_kind is DraftKind.POOL else self.draft_routing.last()[0]
         rows.append(ids[:, -1, :].copy())
         if self.policy.uses_draft_routing:
             plan = self.policy.draft_plan(np.stack(rows), self._resident())
@@ -592,7 +635,7 @@ class Session:
         cached = self.ctx.n_past
         # the draft first: the target decodes next, and its weights should be the ones in the cache
         # (an MTP head reads the target's hidden states of the prompt: it catches up in the first step)
-        if isinstance(dctx, Context) and dctx.n_past < len(prompt) - 1:
+        if dctx is not None and self.draft_kind is not DraftKind.MTP and dctx.n_past < len(prompt) - 1:
             dctx.decode(prompt[dctx.n_past:-1], logits_all=False)
             dctx.checkpoint()
         self.ctx.decode(prompt[self.ctx.n_past:], logits_all=False)

@@ -7,7 +7,7 @@ import codecs
 import time
 from collections.abc import Sequence
 
-from orchestrator.engine.llm import Model, ModelError
+from orchestrator.runtime.llm import Model, ModelError
 
 
 class VocabMismatchError(ModelError):

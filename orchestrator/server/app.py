@@ -1,4 +1,4 @@
-"""The HTTP application: OpenAI's and llama-server's endpoints over one `Engine`.
+"""The HTTP application: OpenAI's and llama-server's endpoints over one `SessionWorker`.
 
     GET  /health                      503 while the models load, then 200
     GET  /v1/models                   the target model
@@ -30,7 +30,7 @@ from orchestrator.decoding.sampling import SamplingParams
 from orchestrator.decoding.speculative import Session
 from orchestrator.server import api
 from orchestrator.server.api import ApiError
-from orchestrator.server.engine import Engine, Job, NotAccepting, QueueFull
+from orchestrator.server.worker import SessionWorker, Job, NotAccepting, QueueFull
 from orchestrator.server.telemetry import CONTENT_TYPE, Telemetry
 
 
@@ -47,20 +47,20 @@ COMPLETIONS_MAX_TOKENS = 16
 RETRY_AFTER_S = 1
 
 
-def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaults: Defaults | None = None) -> Starlette:
-    """The app; its lifespan starts the engine (which loads the models) and stops it."""
+def create_app(worker: SessionWorker, model_id: str, api_key: str | None = None, defaults: Defaults | None = None) -> Starlette:
+    """The app; its lifespan starts the session worker (which loads the models) and stops it."""
     defaults = defaults or Defaults()
-    telemetry = Telemetry(engine.status)
-    engine.on_step, engine.on_done = telemetry.step_seconds.observe, telemetry.finished
+    telemetry = Telemetry(worker.status)
+    worker.on_step, worker.on_done = telemetry.step_seconds.observe, telemetry.finished
 
     def session() -> Session:
-        if engine.state == "loading":
+        if worker.state == "loading":
             raise api.unavailable("Loading model", RETRY_AFTER_S)
-        if engine.state == "failed":
-            raise api.unavailable(f"the model failed to load: {engine.error}")
-        if not engine.ready or engine.session is None:
+        if worker.state == "failed":
+            raise api.unavailable(f"the model failed to load: {worker.error}")
+        if not worker.ready or worker.session is None:
             raise api.unavailable("the server is shutting down")
-        return engine.session
+        return worker.session
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
         stop = req.stop_list if req.stop is not None else list(defaults.stop)
         job = Job(prompt, min(limit, room), stop, sampling, asyncio.get_running_loop())
         try:
-            engine.submit(job)
+            worker.submit(job)
         except QueueFull:
             raise api.unavailable("the server is busy: the queue is full, retry later", RETRY_AFTER_S) from None
         except NotAccepting as e:
@@ -179,8 +179,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
 
     async def models(request: Request) -> Response:
         meta = {}
-        if engine.session is not None:
-            s = engine.session
+        if worker.session is not None:
+            s = worker.session
             meta = {"n_ctx": s.n_ctx, "n_vocab": s.target.n_vocab, "mode": s.mode,
                     "draft": s.draft.path.name if s.draft is not None else None, "engine": s.engine is not None}
         return JSONResponse({"object": "list", "data": [
@@ -253,16 +253,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None, defaul
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        engine.start()
+        worker.start()
         try:
             yield
         finally:
-            engine.shutdown()
-            await asyncio.to_thread(engine.join)
+            worker.shutdown()
+            await asyncio.to_thread(worker.join)
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
-    app.state.engine, app.state.telemetry = engine, telemetry
+    app.state.worker, app.state.telemetry = worker, telemetry
     return app
 
 

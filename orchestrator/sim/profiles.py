@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
-from orchestrator.modelio.model_sizes import model_sizes, recurrent_layers
+from orchestrator.gguf_files.model_sizes import model_sizes, recurrent_layers
 
 if sys.version_info >= (3, 11):
     import tomllib

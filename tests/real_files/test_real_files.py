@@ -49,9 +49,9 @@ from build_native import stock_program  # noqa: E402
 
 from orchestrator.decoding.sampling import SamplingParams  # noqa: E402
 from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig  # noqa: E402
-from orchestrator.engine.llm import Context, Model  # noqa: E402
-from orchestrator.engine.native import NativeError  # noqa: E402
-from orchestrator.engine.pool import Budget, PoolDevice  # noqa: E402
+from orchestrator.runtime.llm import Context, Model  # noqa: E402
+from orchestrator.runtime.native import NativeError  # noqa: E402
+from orchestrator.runtime.pool import Budget, PoolDevice  # noqa: E402
 
 EPS_REFERENCE = 1e-3  # F32 file against float32 transformers: summation order only (~1e-5)
 ENGINE_PATHS = {"pool10": (0.10, None), "pool25": (0.25, None), "pool50": (0.50, None),
@@ -97,7 +97,7 @@ def as_stock_build():
     compiled out (its AMX matmul crashes unpatched, patch 0011), so on a CPU with AMX spac's
     choices run with it hidden (the switch users and tests have: SPAC_HIDE_CPU_FEATURES=amx).
     Yields what the cell should say about it ("" where nothing was hidden)."""
-    from orchestrator.engine import host_layout
+    from orchestrator.runtime import host_layout
 
     if "AMX" not in host_layout.cpu_buffer_types():
         yield ""
@@ -211,9 +211,9 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
         """What llama-simple prints: every piece, control tokens too, up to an EOG token."""
         return b"".join(piece[t] for t in [*prompt_tokens, *tokens] if t not in eog)
 
-    target = run_session(SessionConfig(**base, engine=False, repack="off"), prompts)
+    target = run_session(SessionConfig(**base, expert_engine=False, repack="off"), prompts)
     with as_stock_build() as hidden:  # llama.cpp's kernels and layouts, as llama-simple runs them
-        target_on = run_session(SessionConfig(**base, engine=False, repack="on", exact=False), prompts)
+        target_on = run_session(SessionConfig(**base, expert_engine=False, repack="on", exact=False), prompts)
 
     # reference: spac's output is the reference's, up to an end-of-generation token
     want = []
@@ -245,7 +245,7 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
 
     # the default flags (--repack auto, exact mode on): their own target-only run is the reference
     # of their paths; where their layouts sum in another order than plain, say where the texts part
-    default = run_session(SessionConfig(**base, engine=False), prompts)
+    default = run_session(SessionConfig(**base, expert_engine=False), prompts)
     cells["default"] = Cell(note=f"{sum(map(len, default))} tokens")
     if default != target:
         p, i = first_mismatch(default, target)
@@ -255,7 +255,7 @@ def test_real_file(files, llama_simple, table, tmp_path_factory, arch, ftype):
     for name, (ratio, drafting) in ENGINE_PATHS.items():
         d = None if drafting is None else POOL_DRAFT if drafting == POOL_DRAFT else draft
         for column, flags, want in ((name, {"repack": "off"}, target), (f"{name} {DEFAULT}", {}, default)):
-            cfg = SessionConfig(**base, engine=True, pool=(PoolDevice("CPU", Budget(ratio=ratio)),), draft=d, gamma=4,
+            cfg = SessionConfig(**base, expert_engine=True, pool=(PoolDevice("CPU", Budget(ratio=ratio)),), draft=d, gamma=4,
                                 **flags)
             try:
                 got = run_session(cfg, prompts)
@@ -280,7 +280,7 @@ def test_a_layout_with_no_kernel_for_a_weights_op_leaves_it_plain(files, tmp_pat
     no repacked layout computes: with the dense Q8_0 weights given CPU_EXACT (forced here, whatever
     this CPU measured), `auto` keeps those two plain and says so, and the file runs (the default
     layout once put them in CPU_EXACT, and the scheduler stopped: GGML_ASSERT(*cur_backend_id != -1))."""
-    from orchestrator.engine import host_layout
+    from orchestrator.runtime import host_layout
 
     info = json.loads((files / "deepseek3" / "reference.json").read_text())
     path = files / "deepseek3" / info["files"]["q8_0"]
@@ -334,7 +334,7 @@ def test_chat_template_renders_as_llama_cpp(files, arch):
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-3000:]
     theirs = res.stdout
-    with Session(SessionConfig(model=path, engine=False, n_ctx=256, repack="off")) as s:
+    with Session(SessionConfig(model=path, expert_engine=False, n_ctx=256, repack="off")) as s:
         ours = s.chat_template.render(CONVERSATION, add_generation_prompt=True)
         assert ours == theirs
         # llama-server tokenizes a rendered prompt with special tokens parsed and BOS as the vocab says
@@ -365,7 +365,7 @@ def test_serve_renders_the_chat_template_as_llama_cpp(files, tmp_path):
         body = r.json()
     finally:
         server.stop()
-    with Session(SessionConfig(model=path, engine=False, n_ctx=256, repack="off")) as s:
+    with Session(SessionConfig(model=path, expert_engine=False, n_ctx=256, repack="off")) as s:
         tokens = s.target.tokenize(res.stdout, add_special=True, parse_special=True)
         assert body["usage"]["prompt_tokens"] == len(tokens)
         assert body["choices"][0]["message"]["content"] == s.complete(tokens, 8, (), GREEDY).text

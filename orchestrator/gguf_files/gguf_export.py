@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR, GGMLQuantizationType
 
-from orchestrator.modelio.tokenizer import Tokenizer, byte_level_bpe_tokenizer
+from orchestrator.gguf_files.tokenizer import Tokenizer, byte_level_bpe_tokenizer
 
 __all__ = [
     "ARCHES",

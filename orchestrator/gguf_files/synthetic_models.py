@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from orchestrator.modelio.gguf_export import SSM_A, ModelConfig, keeps_f32, ssm_a, tensor_shapes
+from orchestrator.gguf_files.gguf_export import SSM_A, ModelConfig, keeps_f32, ssm_a, tensor_shapes
 
 # Dimensions from the models' published configs.
 PRESETS: dict[str, ModelConfig] = {

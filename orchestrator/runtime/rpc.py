@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from orchestrator.engine.native import NativeError, ggml_device_api, ggml_library
+from orchestrator.runtime.native import NativeError, ggml_device_api, ggml_library
 
 WARNING = ("the RPC protocol is not authenticated or encrypted: anyone who reaches this port can "
            "run computations on this machine and read what it holds. Never expose it to an untrusted network.")
@@ -145,7 +145,7 @@ def rpc_devices(n: int = 1, n_threads: int = 1):
         endpoints = []
         for _ in range(n):
             endpoints.append(f"127.0.0.1:{_free_port()}")
-            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.engine.rpc", endpoints[-1], str(n_threads), "CPU"],
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.runtime.rpc", endpoints[-1], str(n_threads), "CPU"],
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             servers.callback(lambda p=proc: (p.kill(), p.wait()))
             if proc.stdout.readline().strip() != "ready":

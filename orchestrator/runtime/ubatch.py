@@ -22,7 +22,7 @@ n_head floats).
 
 from __future__ import annotations
 
-from orchestrator.modelio.model_sizes import ModelSizes
+from orchestrator.gguf_files.model_sizes import ModelSizes
 
 DEFAULT_UBATCH = 512                 # llama.cpp's -ub
 UBATCHES = (512, 1024, 2048, 4096)   # the candidates, smallest first

@@ -1,4 +1,4 @@
-"""The engine worker: one `Session`, one request at a time, from a bounded FIFO queue.
+"""The session worker: one `Session`, one request at a time, from a bounded FIFO queue.
 
 The HTTP side turns a request into a `Job` (prompt tokens, limits, sampling) and `submit`s it;
 a full queue is refused at once (`QueueFull`, answered 503 with Retry-After). One thread owns
@@ -29,7 +29,7 @@ class QueueFull(RuntimeError):
 
 
 class NotAccepting(RuntimeError):
-    """The engine is still loading, failed to load, or is shutting down."""
+    """The worker is still loading, failed to load, or is shutting down."""
 
 
 class Cancelled(Exception):
@@ -70,15 +70,15 @@ class Job:
         return self._cancelled.is_set()
 
     def emit(self, event: Event) -> None:
-        """From the engine thread to the request's event loop (dropped if that loop is gone)."""
+        """From the worker thread to the request's event loop (dropped if that loop is gone)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:
             pass
 
 
-class Engine:
-    """open_session: builds the Session (called on the engine thread). queue_size: jobs that may
+class SessionWorker:
+    """open_session: builds the Session (called on the worker thread). queue_size: jobs that may
     wait behind the running one. on_step(seconds): every verification step; on_done(metrics):
     every finished job; on_failed(message): loading failed (the server should stop)."""
 
@@ -89,7 +89,7 @@ class Engine:
         self._open_session = open_session
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="spac-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="spac-worker", daemon=True)
         self.on_step, self.on_done, self.on_failed = on_step, on_done, on_failed
         self.session: Session | None = None
         self.state = "loading"       # → "ready" | "failed"; "stopping" once shutdown began
@@ -140,7 +140,7 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    # -- engine thread ------------------------------------------------------------------------
+    # -- worker thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -187,7 +187,7 @@ class Engine:
                 job.emit(Event("text", text))
         except Cancelled:
             session.last_metrics.stop_reason = "abort" if job._aborted else "cancelled"
-        except Exception as e:  # noqa: BLE001 — reported to the client, the engine serves on
+        except Exception as e:  # noqa: BLE001 — reported to the client, the worker serves on
             job.emit(Event("error", " ".join(str(e).split()) or type(e).__name__))
             return
         finally:

@@ -22,9 +22,9 @@ import numpy as np
 
 import llama_cpp as L
 
-from orchestrator.engine import host_layout
-from orchestrator.engine.native import ggml_device_api, ggml_library, model_plain_twins
-from orchestrator.engine.progress import report_fraction
+from orchestrator.runtime import host_layout
+from orchestrator.runtime.native import ggml_device_api, ggml_library, model_plain_twins
+from orchestrator.runtime.progress import report_fraction
 
 GGML_TYPE_F32 = 0
 _GGUF_MAGIC = b"GGUF"
@@ -78,10 +78,10 @@ def _silence_logs() -> None:
     L.llama_log_set(_quiet_log, ctypes.c_void_p())
 
 
-# the host weights' layout (orchestrator.engine.host_layout): "auto" repacks each tensor type where this
-# CPU's measurement says decoding is faster repacked; "on" is llama.cpp's default (every weight its
-# extra CPU buffer types take), "off" the plain layout (the test device's bit-identical checks)
-DEFAULT_REPACK = "auto"
+# the host weights' layout (host_layout.Repack): AUTO repacks each tensor type where this CPU's
+# measurement says decoding is faster repacked; ON is llama.cpp's default (every weight its extra
+# CPU buffer types take), OFF the plain layout (the test device's bit-identical checks)
+DEFAULT_REPACK = host_layout.Repack.AUTO
 
 
 @contextmanager
@@ -119,14 +119,14 @@ _EXPERTS_PATTERN = rb"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 class Model:
     """A loaded GGUF model (weights on the CPU unless n_gpu_layers > 0)."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: str = DEFAULT_REPACK, n_threads: int = 1,
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: host_layout.Repack | str = DEFAULT_REPACK, n_threads: int = 1,
                  verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = (),
                  tensor_split: tuple[float, ...] = (), mtp: bool = False, exact: bool | None = None):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
         them (llama.cpp's --device; default: every GPU it sees), tensor_split their shares of the
         layers (llama.cpp's --tensor-split; default: in proportion to their free memory).
-        repack: the host weights' layout, auto | on | off (`host_layout`; auto measures with
+        repack: the host weights' layout, a `host_layout.Repack` or its name (auto measures with
         n_threads, the contexts' threads); exact: whether the layout is for exact mode (CPU_EXACT is
         used only then; None: as the process's batch-invariant mode is set now).
         check_tensors: llama.cpp's validation of every tensor's data (NaN/Inf) on load.
@@ -165,7 +165,7 @@ class Model:
             self._overrides = (_TensorBuftOverride * (len(overrides) + 1))(*(_TensorBuftOverride(*o) for o in overrides))
             params.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         with deferred_sigint() as interrupted:
-            # False aborts the load; the fraction goes to the progress display (engine/progress.py)
+            # False aborts the load; the fraction goes to the progress display (runtime/progress.py)
             progress = L.llama_progress_callback(
                 lambda p, user_data: report_fraction(f"loading {self.path.name}", p) and not interrupted())
             params.progress_callback = progress

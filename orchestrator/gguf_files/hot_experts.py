@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 from gguf import MODEL_TENSOR
 
-from orchestrator.modelio.gguf_export import atomic_path
+from orchestrator.gguf_files.gguf_export import atomic_path
 
 _EXPERT_TENSORS = (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP,
                    MODEL_TENSOR.FFN_GATE_UP_EXP, MODEL_TENSOR.FFN_GATE_INP, MODEL_TENSOR.FFN_EXP_PROBS_B)

@@ -21,7 +21,7 @@ from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size
 
 import numpy as np
 
-from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, PoolDevice, StreamPrefill
+from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, PoolDevice, StreamPrefill
 from orchestrator.policies.plan import Plan
 
 _ERR_LEN = 512

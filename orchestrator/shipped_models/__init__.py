@@ -1,7 +1,7 @@
 """spac's shipped default models (this package's data: the GGUF files and MANIFEST.json beside
 this module, installed with the package) and how to open a GGUF in llama.cpp.
 
-    from orchestrator.models import default_model, load_llama
+    from orchestrator.shipped_models import default_model, load_llama
     llm = load_llama(default_model("target"), n_ctx=256)
 
 `MANIFEST.json` lists every shipped file with its sha256, role and measured numbers.

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.engine import progress
+from orchestrator.runtime import progress
 from orchestrator.policies.base import Feedback
 from orchestrator.policies.plan import Plan
 

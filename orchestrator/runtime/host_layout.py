@@ -48,16 +48,39 @@ from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_void_p
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.engine import progress
-from orchestrator.engine.calibrate import cache_path
-from orchestrator.engine.native import ggml_library
+from orchestrator.runtime import progress
+from orchestrator.runtime.calibrate import cache_path
+from orchestrator.runtime.native import ggml_library
 
-REPACK_MODES = ("auto", "on", "off")
+
+
+class Repack(str, Enum):
+    """--repack: AUTO chooses per tensor type from a measurement on this CPU, ON puts each weight in
+    the first layout that takes it (llama.cpp's --repack 1), OFF keeps the file's plain layout."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def of(cls, value: Repack | str) -> Repack:
+        """A mode or its name (case and spaces ignored); ValueError names the choices."""
+        try:
+            return cls(str(getattr(value, "value", value)).strip().lower())
+        except ValueError:
+            raise ValueError(f"--repack must be one of {', '.join(m.value for m in cls)}, not {value!r}") from None
+
+    def __str__(self) -> str:
+        return self.value
+
+
+REPACK_MODES = tuple(m.value for m in Repack)
 # the CPU features SPAC_HIDE_CPU_FEATURES can hide, and the buffer type each one brings
 HIDE_ENV = "SPAC_HIDE_CPU_FEATURES"
 HIDEABLE = {"amx": "AMX"}
@@ -403,7 +426,7 @@ class DenseChoice:
 
 @dataclass
 class HostLayout:
-    mode: str                                   # auto | on | off
+    mode: Repack                                # --repack
     use_extra_bufts: bool                       # llama.cpp's own choice (mode "on")
     # mode "on" with layers on a GPU: llama.cpp lists the GPU's pinned host buffer type before its
     # repacked one, and a mapped file then turns that choice into plain CPU_Mapped; skipping the
@@ -419,6 +442,9 @@ class HostLayout:
     # attn_k_b, MUL_MAT batched over heads): name -> the layout refused; they stay plain
     fallbacks: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.mode = Repack.of(self.mode)
+
     def overrides(self) -> list[tuple[bytes, int]]:
         """llama.cpp tensor-buffer overrides (regex, buffer type) putting `repacked` in CPU_REPACK
         and `placed` in theirs."""
@@ -433,9 +459,9 @@ class HostLayout:
     def report(self) -> str:
         fallback = f"; {len(self.fallbacks)} tensors plain where their layout has no kernel for their op" \
             if self.fallbacks else ""
-        if self.mode == "off":
+        if self.mode is Repack.OFF:
             return "plain (--repack off)"
-        if self.mode == "on":
+        if self.mode is Repack.ON:
             placed = ", ".join(f"{b} {n}" for b, n in self.placement().items()) or "none"
             first = "CPU_EXACT, then " if self.exact else ""
             return f"each weight in the first of {first}llama.cpp's layouts that takes it: {placed} tensors (--repack on)"
@@ -450,9 +476,9 @@ class HostLayout:
         return [gguf.GGMLQuantizationType[c.type].value for c in self.types.values() if c.plain_prefill]
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},
+        return {"mode": self.mode.value, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},
                 "dense": {k: asdict(v) for k, v in self.dense.items()},
-                "n_repacked_tensors": len(self.repacked) if self.mode != "off" else None,
+                "n_repacked_tensors": len(self.repacked) if self.mode is not Repack.OFF else None,
                 "placement": self.placement(), "exact": self.exact, "fallbacks": self.fallbacks,
                 "n_plain_twins": self.n_plain_twins}
 
@@ -628,7 +654,7 @@ def first_taking(ggml_type: int, ne: list[int], op: str, n_used: int, bufts: dic
     return "CPU"
 
 
-def choose(path: str | Path, n_threads: int, mode: str = "auto", n_gpu_layers: int = 0,
+def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n_gpu_layers: int = 0,
            cache: Path | None = None, exact: bool | None = None) -> HostLayout:
     """The host layout of the weights of the GGUF at `path` under `--repack mode`, for exact mode
     or not (None: as the process's batch-invariant mode is set now, which the session sets before
@@ -643,23 +669,22 @@ def choose(path: str | Path, n_threads: int, mode: str = "auto", n_gpu_layers: i
     the GPU only from a host buffer, which neither CPU_REPACK nor CPU_EXACT is: under auto,
     experts of the types CPU_EXACT takes go to it in exact mode with plain twins (host buffers
     over the file's bytes) for a prompt's ubatches, the others stay plain."""
-    if mode not in REPACK_MODES:
-        raise ValueError(f"--repack must be one of {', '.join(REPACK_MODES)}, not {mode!r}")
+    mode = Repack.of(mode)
     exact = batch_invariant_rows() > 0 if exact is None else exact
-    if mode == "off":
+    if mode is Repack.OFF:
         return HostLayout(mode, use_extra_bufts=False, exact=exact)
     import gguf
 
     offloaded = n_gpu_layers != 0
     bufts = usable_buffer_types(exact)
-    layout = HostLayout(mode, use_extra_bufts=False, no_host=mode == "on", exact=exact)
+    layout = HostLayout(mode, use_extra_bufts=False, no_host=mode is Repack.ON, exact=exact)
     try:
         n_used, tensors, n_block = read_weights(path)
     except ValueError:  # not a GGUF ggml can read: llama.cpp's loader says why in its own words
         return layout
     host = [(name, t, ne, weight_op(name, ne)) for name, t, ne in tensors if on_host(name, n_gpu_layers, n_block)]
     host = [w for w in host if w[3] is not None]
-    if mode == "on":
+    if mode is Repack.ON:
         for name, ggml_type, ne, op in host:
             buft = first_taking(ggml_type, ne, op, n_used, bufts)
             if buft != "CPU":

@@ -26,10 +26,10 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from orchestrator.engine.native import ggml_device_api
-from orchestrator.engine.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice
-from orchestrator.engine.ubatch import DEFAULT_UBATCH, buffer_growth, prompt_ubatch
-from orchestrator.modelio.model_sizes import ModelSizes, model_sizes, recurrent_layers, state_per_layer  # noqa: F401  (placement's inputs)
+from orchestrator.runtime.native import ggml_device_api
+from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice
+from orchestrator.runtime.ubatch import DEFAULT_UBATCH, buffer_growth, prompt_ubatch
+from orchestrator.gguf_files.model_sizes import ModelSizes, model_sizes, recurrent_layers, state_per_layer  # noqa: F401  (placement's inputs)
 
 MARGIN = 1 << 30       # left free on the device (llama.cpp's --fit target default: 1 GiB)
 UBATCH_SHARE = 1 / 8   # a longer prompt pass's compute buffer may take this share of the pool's room
@@ -49,7 +49,7 @@ class Placement:
     n_gpu_layers: int      # target layers whose non-expert weights go to the GPU
     note: str              # one line: where things went and why (or why the pool is off)
     stream_off: str = ""   # why a streamed prefill has no room beside the pool ("": it has, or no GPU to say)
-    ubatch: int = DEFAULT_UBATCH  # the prompt pass's tokens under -ub auto (engine/ubatch.py)
+    ubatch: int = DEFAULT_UBATCH  # the prompt pass's tokens under -ub auto (runtime/ubatch.py)
     tensor_split: tuple[float, ...] = ()         # several devices: llama.cpp's --tensor-split (their free memory)
     state_bytes: int = 0   # the contexts' recurrent states over every layer (a hybrid; with the layers, device or host)
 

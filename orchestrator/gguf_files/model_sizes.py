@@ -22,7 +22,7 @@ class ModelSizes:
     n_ctx_train: int = 0       # the GGUF's context_length
     staging_bytes: int = 0     # streamed prefill's staging slots: two layers of experts per slot group
     state_bytes: int = 0       # one sequence's recurrent state over the recurrent layers (F32; 0: no such layer)
-    # a prompt pass's compute and scratch (engine/ubatch.py)
+    # a prompt pass's compute and scratch (runtime/ubatch.py)
     n_embd: int = 0
     n_vocab: int = 0
     n_head: int = 0
