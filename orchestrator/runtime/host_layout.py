@@ -452,6 +452,10 @@ class HostLayout:
         return [(names_pattern(names), bufts[buft])
                 for buft, names in ((REPACK_BUFT, self.repacked), *self.placed.items()) if names]
 
+    def place(self, name: str, buft: str) -> None:
+        """The tensor `name` goes to the buffer type `buft` (not the plain one)."""
+        (self.repacked if buft == REPACK_BUFT else self.placed.setdefault(buft, [])).append(name)
+
     def placement(self) -> dict[str, int]:
         """Tensors per buffer type other than the plain one."""
         return {b: len(n) for b, n in ((REPACK_BUFT, self.repacked), *self.placed.items()) if n}
@@ -688,7 +692,7 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
         for name, ggml_type, ne, op in host:
             buft = first_taking(ggml_type, ne, op, n_used, bufts)
             if buft != "CPU":
-                (layout.repacked if buft == REPACK_BUFT else layout.placed.setdefault(buft, [])).append(name)
+                layout.place(name, buft)
         return layout
     if REPACK_BUFT not in bufts and EXACT_BUFT not in bufts:
         return layout
@@ -770,5 +774,5 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
         if not supports(ggml_type, tuple(shape), bufts[buft], op, n_used):
             layout.fallbacks[name] = buft  # e.g. a 3-D MUL_MAT: that layout's kernels take matrices only
             continue
-        (layout.repacked if buft == REPACK_BUFT else layout.placed.setdefault(buft, [])).append(name)
+        layout.place(name, buft)
     return layout
