@@ -80,7 +80,6 @@ class Repack(str, Enum):
         return self.value
 
 
-REPACK_MODES = tuple(m.value for m in Repack)
 # the CPU features SPAC_HIDE_CPU_FEATURES can hide, and the buffer type each one brings
 HIDE_ENV = "SPAC_HIDE_CPU_FEATURES"
 HIDEABLE = {"amx": "AMX"}
