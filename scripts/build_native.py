@@ -8,10 +8,11 @@
     python scripts/build_native.py --cpu-variant avx2 --python .venv-avx2/bin/python   # see scripts/test_avx2.sh
 
 Steps: get the sdist pinned in vendor/llama-cpp-python.lock (pip download, sha256 checked),
-extract it to vendor/llama-cpp-python/ as a git repo with one commit per applied patch,
-apply ggml-patches/series, then `pip install` the tree with a persistent CMake build dir so
-that a patch edit recompiles only what it touches. A stamp holding a hash of the lock file,
-the patch series and the build options makes a re-run with nothing changed a no-op.
+extract it to vendor/llama-cpp-python/ as a git repo, place spac's own source files (native/,
+whose paths are the tree's) in one commit, apply ggml-patches/series (the hooks into upstream's
+files) with one commit per patch, then `pip install` the tree with a persistent CMake build dir
+so that an edit recompiles only what it touches. A stamp holding a hash of the lock file, the
+native files, the patch series and the build options makes a re-run with nothing changed a no-op.
 
 A bad sdist or a patch that does not apply stops the build before anything installed is
 touched. Standard library only: this runs before anything else is installed.
@@ -38,10 +39,12 @@ VENDOR = ROOT / "vendor"
 LOCK = VENDOR / "llama-cpp-python.lock"
 IK_LOCK = VENDOR / "ik-llama-cpp-python.lock"  # the host-kernel peer's source (bench/bench_cpu.py)
 PATCHES = ROOT / "ggml-patches"
+NATIVE = ROOT / "native"                 # spac's own C/C++, laid out as in llama.cpp's tree
 TREE = VENDOR / "llama-cpp-python"      # extracted sdist, a git repo
 LLAMA_CPP_DIR = "vendor/llama.cpp"       # llama.cpp inside the sdist; patches are relative to it
 STAMP = VENDOR / "build-stamp.json"
 PRISTINE_TAG = "pristine"
+NATIVE_TAG = "spac-native"               # the commit that placed native/, the patches' base
 GIT_ID = ["-c", "user.name=spac build", "-c", "user.email=build@spac.invalid", "-c", "commit.gpgsign=false"]
 
 # what the Python package needs; tests, examples, tools and mtmd only cost build time
@@ -223,9 +226,18 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def stamp_key(lock: dict, patches: list[Path], cmake: list[str], python: str) -> str:
+def native_files(native: Path = NATIVE) -> list[str]:
+    """spac's own source files: their paths in llama.cpp's tree (native/'s README is not one)."""
+    return sorted(str(f.relative_to(native)) for f in native.rglob("*")
+                  if f.is_file() and f.name != "README.md")
+
+
+def stamp_key(lock: dict, patches: list[Path], cmake: list[str], python: str, native: Path = NATIVE) -> str:
     h = hashlib.sha256()
     h.update(LOCK.read_bytes())
+    for rel in native_files(native):
+        h.update(rel.encode())
+        h.update((native / rel).read_bytes())
     for p in patches:
         h.update(p.name.encode())
         h.update(p.read_bytes())
@@ -335,7 +347,7 @@ def prepare_tree(sdist: Path, sha: str, tree: Path = TREE) -> None:
 
 
 def patched_files(tree: Path) -> dict[str, tuple[str, float]]:
-    """Files the applied patches touch: path -> (content hash, mtime)."""
+    """Files the placed native files and the applied patches make or touch: path -> (content hash, mtime)."""
     if not (tree / ".git").exists():
         return {}
     out = {}
@@ -483,6 +495,21 @@ def patch_description(text: str) -> str:
     return re.split(r"^(?:diff --git |--- a/)", text, maxsplit=1, flags=re.M)[0].strip()
 
 
+def place_native(tree: Path = TREE, native: Path = NATIVE) -> None:
+    """Copy spac's own files into the pristine tree as one commit, tagged NATIVE_TAG: the patches
+    apply on top of it (they add the hooks that build and call these files)."""
+    for rel in native_files(native):
+        dst = tree / LLAMA_CPP_DIR / rel
+        if git("cat-file", "-e", f"{PRISTINE_TAG}:{LLAMA_CPP_DIR}/{rel}", cwd=tree, check=False).returncode == 0:
+            raise BuildError(f"native/{rel} would replace upstream's {rel}: spac's own files must be new files "
+                             "(change an upstream file with a patch)")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(native / rel, dst)
+    git("add", "-A", "--force", cwd=tree)
+    git("commit", "-q", "--allow-empty", "-m", "native: spac's own source files (native/)", cwd=tree)
+    git("tag", "-f", NATIVE_TAG, cwd=tree)
+
+
 def apply_patches(patches: list[Path], tree: Path = TREE) -> None:
     """`git apply --check`, then apply and commit, every patch in order.
 
@@ -499,23 +526,41 @@ def apply_patches(patches: list[Path], tree: Path = TREE) -> None:
         git("commit", "-q", "--allow-empty", "-m", f"{p.name}\n\n{header}".strip(), cwd=tree)
 
 
-def export_patches() -> None:
-    """Write each commit after `pristine` back to ggml-patches/<commit subject>.
+def export_patches(tree: Path = TREE, patches_dir: Path = PATCHES, native: Path = NATIVE) -> None:
+    """Write each commit after the placed native files back to ggml-patches/<commit subject>, and
+    a native file edited in the tree back to native/.
 
     The patch workflow: build once, edit in vendor/llama-cpp-python/vendor/llama.cpp, amend or
     add commits there (subject = patch file name, body = the patch's description), then run
-    with --export-patches.
+    with --export-patches. spac's own files are best edited in native/ (the next build places
+    them); one edited in the tree instead is copied back, unless native/ changed too (refused:
+    neither copy is lost).
     """
-    revs = git("rev-list", "--reverse", f"{PRISTINE_TAG}..HEAD").stdout.split()
+    own = native_files(native)
+    for rel in own:
+        placed = git("show", f"{NATIVE_TAG}:{LLAMA_CPP_DIR}/{rel}", cwd=tree).stdout
+        in_tree = (tree / LLAMA_CPP_DIR / rel).read_text()
+        if in_tree == placed:
+            continue
+        if (native / rel).read_text() not in (placed, in_tree):
+            raise BuildError(f"native/{rel} and the tree's copy both changed since the last build: "
+                             "keep one of them (edit native/ and build again, or copy the tree's over)")
+        (native / rel).write_text(in_tree)
+        log(f"native/{rel}: the tree's edit copied back")
+    not_own = [f":(exclude){LLAMA_CPP_DIR}/{rel}" for rel in own]
+    revs = git("rev-list", "--reverse", f"{NATIVE_TAG}..HEAD", cwd=tree).stdout.split()
     names = []
     for rev in revs:
-        name = git("log", "-1", "--format=%s", rev).stdout.strip()
-        header = git("log", "-1", "--format=%b", rev).stdout.strip()
-        diff = git("diff", f"--relative={LLAMA_CPP_DIR}", f"{rev}~1", rev).stdout
-        (PATCHES / name).write_text((header + "\n\n" if header else "") + diff)
+        name = git("log", "-1", "--format=%s", rev, cwd=tree).stdout.strip()
+        header = git("log", "-1", "--format=%b", rev, cwd=tree).stdout.strip()
+        diff = git("diff", f"--relative={LLAMA_CPP_DIR}", f"{rev}~1", rev, "--", ".", *not_own, cwd=tree).stdout
+        if not diff:
+            log(f"{name} changes only spac's own files: no patch written")
+            continue
+        (patches_dir / name).write_text((header + "\n\n" if header else "") + diff)
         names.append(name)
-    (PATCHES / "series").write_text("".join(n + "\n" for n in names))
-    log(f"exported {len(names)} patches to ggml-patches/")
+    (patches_dir / "series").write_text("".join(n + "\n" for n in names))
+    log(f"exported {len(names)} patches to {patches_dir.name}/")
 
 
 def build_dir_of(cmake: list[str]) -> Path:
@@ -597,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         if args.export_patches:
-            export_patches()
+            export_patches(patches_dir=args.patches_dir)
             return 0
         if args.ik:
             print(build_ik(args.python))
@@ -612,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
             sdist = fetch_sdist(lock, args.python, args.sdist)
             with tempfile.TemporaryDirectory() as tmp:
                 prepare_tree(sdist, lock["sha256"], Path(tmp) / "tree")
+                place_native(Path(tmp) / "tree")
                 apply_patches(patches, Path(tmp) / "tree")
-            log(f"{len(patches)} patches apply cleanly to a fresh extract")
+            log(f"{len(native_files())} native files placed, {len(patches)} patches apply cleanly to a fresh extract")
             return 0
         cmake = cmake_args(args)
         key = stamp_key(lock, patches, cmake, args.python)
@@ -623,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         sdist = fetch_sdist(lock, args.python, args.sdist)
         before = patched_files(TREE)
         prepare_tree(sdist, lock["sha256"])
+        place_native()
         apply_patches(patches)
         keep_mtimes(TREE, before)
         log(f"{len(patches)} patches apply cleanly")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -132,3 +133,85 @@ def test_stock_programs_follow_the_cpu_variant_of_the_installed_build(tmp_path, 
         cmd, 0, stdout="/x/stock-avx2-0123456789/bin/llama-simple\n", stderr=""))
     assert bn.stock_program("llama-simple") == Path("/x/stock-avx2-0123456789/bin/llama-simple")
     assert calls[0][2:] == ["--stock", "--cpu-variant", "avx2", "--stock-program", "llama-simple"]
+
+
+def _tree_with_native(tmp_path, bn):
+    """A stand-in for the extracted sdist (a git repo tagged pristine holding one upstream file)
+    and a native/ of two files, placed as a build places them."""
+    tree, native = tmp_path / "tree", tmp_path / "native"
+    upstream = tree / bn.LLAMA_CPP_DIR / "src" / "llama.cpp"
+    upstream.parent.mkdir(parents=True)
+    upstream.write_text("upstream\n")
+    bn.git("init", "-q", cwd=tree)
+    bn.git("add", "-A", cwd=tree)
+    bn.git("commit", "-q", "-m", "pristine sdist", cwd=tree)
+    bn.git("tag", bn.PRISTINE_TAG, cwd=tree)
+    (native / "src").mkdir(parents=True)
+    (native / "src" / "own.cpp").write_text("own 1\n")
+    (native / "src" / "own.h").write_text("header 1\n")
+    (native / "README.md").write_text("not a source file\n")
+    bn.place_native(tree, native)
+    return tree, native
+
+
+def test_native_files_are_placed_before_the_patches_and_only_an_edit_recompiles(tmp_path):
+    """native/ goes into the tree as one commit (the patches' base); a rebuild rewrites every placed
+    file but gives the unchanged ones their old mtime (the CMake build dir recompiles only the
+    edited one), and a native edit changes the stamp's key."""
+    import build_native as bn
+
+    tree, native = _tree_with_native(tmp_path, bn)
+    placed = tree / bn.LLAMA_CPP_DIR / "src"
+    assert (placed / "own.cpp").read_text() == "own 1\n" and not (placed / "README.md").exists()
+    assert bn.native_files(native) == ["src/own.cpp", "src/own.h"]
+    assert bn.git("log", "-1", "--format=%s", bn.NATIVE_TAG, cwd=tree).stdout.startswith("native:")
+    lock = {"sha256": "x"}
+    key = bn.stamp_key(lock, [], [], "python", native)
+    for f in ("own.cpp", "own.h"):
+        os.utime(placed / f, (1_000_000, 1_000_000))
+    (native / "src" / "own.cpp").write_text("own 2\n")
+    before = bn.patched_files(tree)
+    bn.git("reset", "-q", "--hard", bn.PRISTINE_TAG, cwd=tree)   # what prepare_tree does
+    bn.place_native(tree, native)
+    bn.keep_mtimes(tree, before)
+    assert (placed / "own.cpp").read_text() == "own 2\n" and (placed / "own.cpp").stat().st_mtime != 1_000_000
+    assert (placed / "own.h").stat().st_mtime == 1_000_000
+    assert bn.stamp_key(lock, [], [], "python", native) != key
+
+
+def test_a_native_file_may_not_replace_an_upstream_one(tmp_path):
+    import build_native as bn
+
+    tree, native = _tree_with_native(tmp_path, bn)
+    (native / "src" / "llama.cpp").write_text("mine\n")
+    bn.git("reset", "-q", "--hard", bn.PRISTINE_TAG, cwd=tree)
+    with pytest.raises(bn.BuildError, match="native/src/llama.cpp would replace upstream's src/llama.cpp"):
+        bn.place_native(tree, native)
+
+
+def test_export_writes_hooks_as_patches_and_native_edits_back_to_native(tmp_path):
+    """--export-patches: a commit's change to an upstream file becomes its patch, its change to one
+    of spac's own files is left out of it and copied back to native/; a file edited in both places
+    is refused, and neither copy is lost."""
+    import build_native as bn
+
+    tree, native = _tree_with_native(tmp_path, bn)
+    src = tree / bn.LLAMA_CPP_DIR / "src"
+    (src / "llama.cpp").write_text("upstream\nhook\n")
+    (src / "own.cpp").write_text("own edited in the tree\n")
+    bn.git("commit", "-q", "-am", "0001-hook.patch\n\nllama: a hook", cwd=tree)
+    (src / "own.h").write_text("header edited in the tree\n")
+    bn.git("commit", "-q", "-am", "0002-own-only.patch", cwd=tree)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    bn.export_patches(tree, patches, native)
+    assert (patches / "series").read_text() == "0001-hook.patch\n"
+    text = (patches / "0001-hook.patch").read_text()
+    assert text.startswith("llama: a hook\n") and "+hook" in text and "own" not in text
+    assert (native / "src" / "own.cpp").read_text() == "own edited in the tree\n"
+    assert (native / "src" / "own.h").read_text() == "header edited in the tree\n"
+    (native / "src" / "own.h").write_text("header edited in native/\n")
+    (src / "own.h").write_text("header edited in the tree again\n")
+    with pytest.raises(bn.BuildError, match="native/src/own.h and the tree's copy both changed"):
+        bn.export_patches(tree, patches, native)
+    assert (native / "src" / "own.h").read_text() == "header edited in native/\n"

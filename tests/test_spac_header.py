@@ -1,25 +1,32 @@
-"""include/spac.h, the C API the patch series adds (patches 0002, 0003, 0005, 0008, 0009, 0010,
-0016, 0018, 0020 each add to it), is readable in the repository as one file; this pins it to
-the header the patched tree builds, and orchestrator/runtime/native.py's ctypes structs to its structs
-(size and every field's offset, measured by the C compiler), so that neither side can gain a
-field alone."""
+"""spac's own native files (native/: the pool, the C API and its header, the exact kernels) are
+the ones the installed build compiled: each equals its copy in the built tree, so a native edit
+that was not built fails here, not as a mismatch elsewhere. native.py's ctypes structs are held to
+native/include/spac.h's structs (size and every field's offset, measured by the C compiler), so
+that neither side can gain a field alone."""
 
 from __future__ import annotations
 
 import ctypes
 import subprocess
 
-from conftest import LLAMA_CPP_TREE, ROOT, compile_native
+import pytest
+from build_native import NATIVE, native_files  # scripts/ is on pytest's pythonpath
+from conftest import LLAMA_CPP_TREE, compile_native
 
 from orchestrator.runtime.native import SpacEngineParams, SpacEngineStats
 
 STRUCTS = {"spac_engine_params": SpacEngineParams, "spac_engine_stats": SpacEngineStats}
 
 
-def test_the_repository_header_is_the_built_one():
-    built = (LLAMA_CPP_TREE / "include" / "spac.h").read_text()
-    assert (ROOT / "include" / "spac.h").read_text() == built, \
-        "include/spac.h differs from the patched tree's: copy it after changing a patch (cp vendor/llama-cpp-python/vendor/llama.cpp/include/spac.h include/)"
+def test_native_holds_the_pool_the_api_and_the_exact_kernels():
+    assert {"include/spac.h", "src/spac.cpp", "src/llama-expert-pool.cpp", "src/llama-expert-pool.h",
+            "ggml/src/ggml-cpu/exact.cpp", "ggml/src/ggml-cpu/exact.h"} <= set(native_files())
+
+
+@pytest.mark.parametrize("rel", native_files())
+def test_every_native_file_is_the_built_one(rel):
+    assert (NATIVE / rel).read_text() == (LLAMA_CPP_TREE / rel).read_text(), \
+        f"native/{rel} differs from the built tree's: run scripts/build_native.py"
 
 
 def c_layout(tmp_path) -> dict[str, int]:
@@ -32,7 +39,7 @@ def c_layout(tmp_path) -> dict[str, int]:
     lines += ["    return 0;", "}"]
     src = tmp_path / "spac_layout.c"
     src.write_text("\n".join(lines) + "\n")
-    exe = compile_native([src], "spac-layout", libs=("llama",), extra=(f"-I{ROOT / 'include'}",))
+    exe = compile_native([src], "spac-layout", libs=("llama",), extra=(f"-I{NATIVE / 'include'}",))
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
 

@@ -1,4 +1,4 @@
-"""ctypes bindings to spac's native engine (include/spac.h in the patched llama.cpp).
+"""ctypes bindings to spac's native engine (native/include/spac.h, built into the patched llama.cpp).
 
 The functions live in the same libllama that llama-cpp-python loads, so they are bound to
 its handle. `ExpertEngine` owns one `spac_engine` (one device), `SeveralPools` one per device;

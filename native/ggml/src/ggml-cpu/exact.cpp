@@ -1,0 +1,973 @@
+// CPU_EXACT: matmul kernels whose every output is summed in one order, whatever the batch, the
+// thread count or the weights' layout.
+//
+// llama.cpp's CPU kernels sum a one-token decode (a GEMV) and a batch of tokens (a GEMM, tiled or
+// repacked) in different orders, so a speculative verify batch's rows differ from one-token decodes
+// in the last bits, and each weight layout rounds its own way. Here every output (row r, token t) of
+// a type with 32-weight blocks is, for every kernel, exactly
+//
+//     acc = 0
+//     for each block b, in ascending order:
+//         isum = sum_k w[r][b][k] * x[t][b][k]                 int32: exact, in any order
+//         acc  = fma((float) isum, d_w[r][b] * d_x[t][b], acc)  the product of two fp16 is exact
+//
+// with the activations quantized per token and block by one function (an fp16 scale, 32 int8s and
+// their sum). The kernels differ only in how many rows (16, in SIMD lanes) and tokens (a register
+// tile) they compute at once, which changes no output's operations: a GEMV is the GEMM's one-token
+// case, threads split rows and tokens but never a sum, and the plain layout is interleaved 16 rows
+// at a time on the fly into the same kernel.
+//
+// K-quants (Q4_K, Q5_K, Q6_K) follow the same order per 32-weight block, their integer sub-block
+// scales and mins applied to the exact sums (see the kernels' comment below).
+//
+// The interleaved layout puts 16 rows side by side: row r's 4 consecutive weights at bytes 4r..4r+3
+// of each 64-byte chunk (what one 512-bit dot-product instruction takes against 4 broadcast
+// activations), with the rows' scales beside them (`layout_info`). 4-bit values stay packed. For
+// Q4_0, Q8_0, IQ4_NL and Q6_K the buffer is as large as the file's tensor; Q4_K and Q5_K take 2-3%
+// more (their 6-bit scales unpacked).
+
+#define GGML_COMMON_IMPL_CPP
+#define GGML_COMMON_DECL_CPP
+#include "ggml-common.h"
+#include "ggml-backend-impl.h"
+
+#include "ggml-impl.h"
+#include "ggml-cpu.h"
+#include "ggml-cpu-impl.h"
+#include "simd-mappings.h"
+#include "traits.h"
+#include "exact.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK    = 32;  // weights per block: the kernels' unit, a K-quant's super-block holds 8
+constexpr int64_t GROUP = 16;  // rows interleaved together
+
+// The interleaved layout of a type, per 16-row group: a header per super-block (16 fp16 scales, and
+// for Q4_K/Q5_K 16 fp16 mins), then per 32-weight block a unit: per-row integer scales (K-quants:
+// Q4_K/Q5_K's scale and min, Q6_K's two 16-weight scales, 16 bytes each), the low nibbles (or Q8_0's
+// bytes) in 64-byte chunks, and the high bits (Q5_K: one chunk, bit m for chunk register m; Q6_K:
+// two chunks, 2 bits per register).
+struct layout_info {
+    int blocks;  // 32-weight blocks per super-block
+    int header;  // bytes per super-block
+    int unit;    // bytes per block
+};
+
+constexpr layout_info info_of(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_IQ4_NL: return { 1, 32, 256 };
+        case GGML_TYPE_Q8_0:   return { 1, 32, 512 };
+        case GGML_TYPE_Q4_K:   return { 8, 64, 32 + 256 };
+        case GGML_TYPE_Q5_K:   return { 8, 64, 32 + 256 + 64 };
+        case GGML_TYPE_Q6_K:   return { 8, 32, 32 + 256 + 128 };
+        default:               return { 0, 0, 0 };
+    }
+}
+
+bool covered(ggml_type type) {
+    return info_of(type).blocks != 0;
+}
+
+constexpr bool has_min(ggml_type type)    { return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K; }
+constexpr bool has_scales(ggml_type type) { return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K; }
+
+// bytes of one 16-row group over a row of K weights
+int64_t group_bytes(ggml_type type, int64_t K) {
+    const layout_info I = info_of(type);
+    return K / (QK * I.blocks) * (I.header + I.blocks * I.unit);
+}
+
+// bytes of one matrix (one expert) of the interleaved layout
+int64_t matrix_bytes(const ggml_tensor * t) {
+    return (t->ne[1] + GROUP - 1) / GROUP * group_bytes(t->type, t->ne[0]);
+}
+
+// ---------------------------------------------------------------------------------- activations
+
+// a token's quantized activations: K int8s, then per block a float scale (an fp16 value) and the
+// sums of its two halves of 16 (int32)
+size_t act_row_bytes(int64_t K) {
+    return GGML_PAD((size_t) K + (size_t) (K / QK) * 12, 64);
+}
+
+struct act_row {
+    const int8_t *  q;
+    const float *   d;
+    const int32_t * s16;  // [2 * nb]
+};
+
+act_row act_at(const uint8_t * row, int64_t K) {
+    return { (const int8_t *) row, (const float *) (row + K), (const int32_t *) (row + K + 4 * (K / QK)) };
+}
+
+// rounds to nearest, ties to even: what cvtps2dq does in the default rounding mode
+void quantize_act(const float * x, uint8_t * row, int64_t K) {
+    const int64_t nb = K / QK;
+    int8_t *  q   = (int8_t *) row;
+    float *   d   = (float *) (row + K);
+    int32_t * s16 = (int32_t *) (row + K + 4 * nb);
+    for (int64_t b = 0; b < nb; ++b) {
+        const float * xb = x + b * QK;
+        int8_t *      qb = q + b * QK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#else
+        float amax = 0.0f;
+        for (int k = 0; k < QK; ++k) {
+            amax = std::max(amax, fabsf(xb[k]));
+        }
+#endif
+        const float dd = amax / 127.0f;
+        const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        d[b] = GGML_CPU_FP16_TO_FP32(GGML_CPU_FP32_TO_FP16(dd));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
+        const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
+        _mm_storeu_si128((__m128i *) qb, _mm512_cvtepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *) (qb + 16), _mm512_cvtepi32_epi8(i1));
+        s16[2 * b]     = _mm512_reduce_add_epi32(i0);
+        s16[2 * b + 1] = _mm512_reduce_add_epi32(i1);
+#else
+        for (int h = 0; h < 2; ++h) {
+            int32_t sum = 0;
+            for (int k = 16 * h; k < 16 * h + 16; ++k) {
+                const int v = (int) nearbyintf(xb[k] * id);
+                qb[k] = (int8_t) v;
+                sum += v;
+            }
+            s16[2 * b + h] = sum;
+        }
+#endif
+    }
+}
+
+// ---------------------------------------------------------------------------------- weights
+
+uint32_t load32(const uint8_t * p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+void store32(uint8_t * p, uint32_t v) {
+    memcpy(p, &v, 4);
+}
+
+// the packed nibbles of one 32-weight block whose weight l sits in the low (shift 0) or high
+// (shift 4) nibble of lo[l] for l < 16 and of hi[l - 16] after: chunk m of row r gets weights
+// 4m..4m+3 in its low nibbles and 16+4m.. in its high ones
+void put_nibbles(const uint8_t * lo, const uint8_t * hi, int shift, uint8_t * u, int64_t r) {
+    for (int m = 0; m < 4; ++m) {
+        const uint32_t a = load32(lo + 4 * m), b = load32(hi + 4 * m);
+        store32(u + 64 * m + 4 * r, shift == 0 ? (a & 0x0F0F0F0F) | ((b & 0x0F0F0F0F) << 4)
+                                               : ((a >> 4) & 0x0F0F0F0F) | (b & 0xF0F0F0F0));
+    }
+}
+
+// Q4_K/Q5_K's 6-bit scale and min of block j
+void scale_min_k4(const uint8_t * sc, int j, uint8_t & scale, uint8_t & min) {
+    if (j < 4) {
+        scale = sc[j] & 63;
+        min   = sc[j + 4] & 63;
+    } else {
+        scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        min   = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+// row r of a 16-row group: one super-block of the file at src, into the group's super-block at h
+void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h) {
+    const layout_info I = info_of(type);
+    memcpy(h + 2 * r, type == GGML_TYPE_Q6_K ? src + offsetof(block_q6_K, d) : src, 2);  // d
+    if (has_min(type)) {
+        memcpy(h + 32 + 2 * r, src + 2, 2);  // dmin, after d
+    }
+    uint8_t * u = h + I.header;
+    switch (type) {
+        case GGML_TYPE_Q8_0: {
+            const uint8_t * qs = src + offsetof(block_q8_0, qs);
+            for (int m = 0; m < 8; ++m) {
+                store32(u + 64 * m + 4 * r, load32(qs + 4 * m));
+            }
+        } break;
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_IQ4_NL: {  // the file's byte k already holds weights k and 16+k
+            const uint8_t * qs = src + offsetof(block_q4_0, qs);
+            for (int m = 0; m < 4; ++m) {
+                store32(u + 64 * m + 4 * r, load32(qs + 4 * m));
+            }
+        } break;
+        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q5_K: {
+            const bool      q5 = type == GGML_TYPE_Q5_K;
+            const uint8_t * sc = src + offsetof(block_q4_K, scales);
+            const uint8_t * qs = src + (q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+            const uint8_t * qh = src + offsetof(block_q5_K, qh);
+            for (int j = 0; j < 8; ++j, u += I.unit) {  // block j: the low (even j) or high nibbles of 32 bytes
+                scale_min_k4(sc, j, u[r], u[16 + r]);
+                const uint8_t * q = qs + 32 * (j / 2);
+                put_nibbles(q, q + 16, 4 * (j % 2), u + 32, r);
+                if (q5) {  // weight l's fifth bit is bit j of qh[l]: register m's bit goes to bit m
+                    uint32_t bits = 0;
+                    for (int m = 0; m < 8; ++m) {
+                        bits |= ((load32(qh + 4 * m) >> j) & 0x01010101) << m;
+                    }
+                    store32(u + 32 + 256 + 4 * r, bits);
+                }
+            }
+        } break;
+        case GGML_TYPE_Q6_K: {
+            const block_q6_K * blk = (const block_q6_K *) src;
+            for (int j = 0; j < 8; ++j, u += I.unit) {
+                u[r]      = (uint8_t) blk->scales[2 * j];
+                u[16 + r] = (uint8_t) blk->scales[2 * j + 1];
+                // half j / 4 of 128 weights: blocks 0..3 take ql[l], ql[32 + l] (low nibbles), then
+                // the same high nibbles, and bits 2 (j % 4) of qh[l] as the top two bits
+                const uint8_t * ql = blk->ql + 64 * (j / 4) + 32 * (j % 2);
+                const uint8_t * qh = blk->qh + 32 * (j / 4);
+                const int       sh = 2 * (j % 4);
+                put_nibbles(ql, ql + 16, (j % 4) < 2 ? 0 : 4, u + 32, r);
+                for (int c = 0; c < 2; ++c) {  // chunk c: registers 4c..4c+3, 2 bits each
+                    uint32_t bits = 0;
+                    for (int m = 0; m < 4; ++m) {
+                        bits |= ((load32(qh + 4 * (4 * c + m)) >> sh) & 0x03030303) << (2 * m);
+                    }
+                    store32(u + 32 + 256 + 64 * c + 4 * r, bits);
+                }
+            }
+        } break;
+        default: GGML_ABORT("CPU_EXACT: type %s", ggml_type_name(type));
+    }
+}
+
+// one 16-row group of the interleaved layout from n_rows rows of the file's blocks (rows past
+// n_rows: zeros)
+void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, int64_t n_rows, int64_t K, uint8_t * dst) {
+    const layout_info I = info_of(type);
+    const int64_t n_sb   = K / (QK * I.blocks);
+    const size_t  sb_src = ggml_row_size(type, QK * I.blocks);
+    const int64_t sb_dst = I.header + I.blocks * I.unit;
+    if (n_rows < GROUP) {
+        memset(dst, 0, (size_t) (n_sb * sb_dst));
+    }
+    for (int64_t s = 0; s < n_sb; ++s) {
+        for (int64_t r = 0; r < n_rows; ++r) {
+            interleave_row(type, src + r * row_stride + s * sb_src, r, dst + s * sb_dst);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------- the kernels
+//
+// Each computes the 16 rows of one group for T tokens (x: their activations, y: T rows of 16
+// outputs), over every block, in exactly the order of the file's header. Per block b, with A the
+// dot of the stored values and the activations (A0, A1 of the two halves of 16), S0, S1 the
+// activations' sums over those halves and dx their scale:
+//   Q4_0, Q8_0, IQ4_NL  acc = fma(A - off (S0 + S1), d dx, acc)     signed values: off = 0
+//   Q4_K, Q5_K          acc = fma(sc A, d dx, acc); acc = fma(mn (S0 + S1), -dmin dx, acc)
+//   Q6_K                acc = fma(sc0 (A0 - 32 S0) + sc1 (A1 - 32 S1), d dx, acc)
+// The integer terms are exact in int32 and so are the products of two fp16 values in float.
+
+// the weight's value in the sum A: the unsigned stored value where the kernels offset it, else signed
+[[maybe_unused]] int value_in_sum(ggml_type type, int stored) {
+    switch (type) {
+        case GGML_TYPE_Q4_0:   return stored - 8;
+        case GGML_TYPE_Q8_0:   return (int8_t) stored;
+        case GGML_TYPE_IQ4_NL: return kvalues_iq4nl[stored];
+        case GGML_TYPE_Q6_K:   return stored - 32;
+        default:               return stored;
+    }
+}
+
+// the stored value of row r's weight k of a unit's quants (past the unit's scales)
+[[maybe_unused]] int stored_at(ggml_type type, const uint8_t * u, int r, int k) {
+    const int m = k / 4, i = k % 4;
+    if (type == GGML_TYPE_Q8_0) {
+        return u[64 * m + 4 * r + i];
+    }
+    int v = (u[64 * (m % 4) + 4 * r + i] >> (m < 4 ? 0 : 4)) & 0x0F;
+    if (type == GGML_TYPE_Q5_K) {
+        v |= ((u[256 + 4 * r + i] >> m) & 1) << 4;
+    } else if (type == GGML_TYPE_Q6_K) {
+        v |= ((u[256 + 64 * (m / 4) + 4 * r + i] >> (2 * (m % 4))) & 3) << 4;
+    }
+    return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define EXACT_KERNEL "avx512-vnni"
+constexpr int TILE_MAX = 8;  // 8 zmm of weights, one accumulator per token
+constexpr int PREFETCH_BYTES = 2048;
+#define EXACT_KERNEL_TAKES_GROUPS  // tile_simd below computes G groups itself
+
+// IQ4_NL's values offset by 128, as unsigned bytes
+const uint8_t * iq4nl_unsigned() {
+    alignas(16) static uint8_t table[16];
+    static const bool filled = [] {
+        for (int i = 0; i < 16; ++i) {
+            table[i] = (uint8_t) (kvalues_iq4nl[i] + 128);
+        }
+        return true;
+    }();
+    GGML_UNUSED(filled);
+    return table;
+}
+
+// rows in the 16 lanes; the weights as unsigned bytes for vpdpbusd against the signed activations
+// (Q8_0's and IQ4_NL's values offset by 128, the offset times the activations' sum taken back).
+// G groups (gstride bytes apart) at once for a single token: more independent loads in flight
+// while the weights stream from memory.
+template <ggml_type TYPE, int G, int T>
+void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x, float * y) {
+    constexpr layout_info I = info_of(TYPE);
+    constexpr int32_t off = TYPE == GGML_TYPE_Q4_0 ? 8 : (TYPE == GGML_TYPE_Q8_0 || TYPE == GGML_TYPE_IQ4_NL) ? 128 : 0;
+    constexpr int64_t sb_bytes = I.header + I.blocks * I.unit;
+    const __m512i m4  = _mm512_set1_epi8(0x0F);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *) iq4nl_unsigned()));
+    __m512 acc[G][T];
+    for (int c = 0; c < G; ++c) {
+        for (int t = 0; t < T; ++t) {
+            acc[c][t] = _mm512_setzero_ps();
+        }
+    }
+    const int64_t n_sb = K / (QK * I.blocks);
+    for (int64_t s = 0; s < n_sb; ++s) {
+        for (int j = 0; j < I.blocks; ++j) {
+            const int64_t b = s * I.blocks + j;
+            for (int c = 0; c < G; ++c) {
+                const uint8_t * h = w + c * gstride + s * sb_bytes;
+                const uint8_t * u = h + I.header + j * I.unit;
+                // a few tokens read the weights once, from memory: ask for them ahead
+                if constexpr (T <= 2) {
+                    for (int l = 0; l < I.unit + (j == 0 ? I.header : 0); l += 64) {
+                        _mm_prefetch((const char *) (j == 0 ? h : u) + PREFETCH_BYTES + l, _MM_HINT_T0);
+                    }
+                }
+                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) h));
+                __m512 neg_dmin = _mm512_setzero_ps();
+                if constexpr (has_min(TYPE)) {
+                    neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (h + 32))));
+                }
+                __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
+                const uint8_t * qp = u;
+                if constexpr (has_scales(TYPE)) {
+                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
+                        sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) u));
+                        sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
+                    } else {
+                        sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) u));
+                        sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
+                    }
+                    qp += 32;
+                }
+                __m512i q[8];
+                if constexpr (TYPE == GGML_TYPE_Q8_0) {
+                    for (int m = 0; m < 8; ++m) {
+                        q[m] = _mm512_xor_si512(_mm512_loadu_si512(qp + 64 * m), _mm512_set1_epi8((char) 0x80));
+                    }
+                } else {
+                    for (int m = 0; m < 4; ++m) {
+                        const __m512i v = _mm512_loadu_si512(qp + 64 * m);
+                        q[m]     = _mm512_and_si512(v, m4);
+                        q[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    }
+                    if constexpr (TYPE == GGML_TYPE_IQ4_NL) {
+                        for (int m = 0; m < 8; ++m) {
+                            q[m] = _mm512_shuffle_epi8(lut, q[m]);
+                        }
+                    } else if constexpr (TYPE == GGML_TYPE_Q5_K) {
+                        const __m512i hb = _mm512_loadu_si512(qp + 256);
+                        for (int m = 0; m < 8; ++m) {
+                            const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(hb, m), _mm512_set1_epi8(1));
+                            q[m] = _mm512_or_si512(q[m], _mm512_slli_epi16(bit, 4));
+                        }
+                    } else if constexpr (TYPE == GGML_TYPE_Q6_K) {
+                        for (int m = 0; m < 8; ++m) {
+                            const __m512i hb   = _mm512_loadu_si512(qp + 256 + 64 * (m / 4));
+                            const __m512i bits = _mm512_and_si512(_mm512_srli_epi16(hb, 2 * (m % 4)), _mm512_set1_epi8(3));
+                            q[m] = _mm512_or_si512(q[m], _mm512_slli_epi16(bits, 4));
+                        }
+                    }
+                }
+                for (int t = 0; t < T; ++t) {
+                    const int32_t * xq = (const int32_t *) (x[t].q + b * QK);
+                    const int32_t   s0 = x[t].s16[2 * b], s1 = x[t].s16[2 * b + 1];
+                    const __m512    dd = _mm512_mul_ps(d, _mm512_set1_ps(x[t].d[b]));
+                    __m512i a0 = _mm512_setzero_si512();
+                    __m512i a1 = _mm512_setzero_si512();
+                    for (int m = 0; m < 4; ++m) {
+                        a0 = _mm512_dpbusd_epi32(a0, q[m], _mm512_set1_epi32(xq[m]));
+                        a1 = _mm512_dpbusd_epi32(a1, q[m + 4], _mm512_set1_epi32(xq[m + 4]));
+                    }
+                    __m512 & out = acc[c][t];
+                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
+                        a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(32 * s0));
+                        a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(32 * s1));
+                        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(a0, sc0), _mm512_mullo_epi32(a1, sc1));
+                        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
+                    } else if constexpr (has_min(TYPE)) {
+                        const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(a0, a1), sc0);
+                        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
+                        const __m512i mins = _mm512_mullo_epi32(sc1, _mm512_set1_epi32(s0 + s1));
+                        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(neg_dmin, _mm512_set1_ps(x[t].d[b])), out);
+                    } else {
+                        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(off * (s0 + s1)));
+                        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
+                    }
+                }
+            }
+        }
+    }
+    for (int c = 0; c < G; ++c) {
+        for (int t = 0; t < T; ++t) {
+            _mm512_storeu_ps(y + (c * T + t) * GROUP, acc[c][t]);
+        }
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define EXACT_KERNEL "avx2"
+constexpr int TILE_MAX = 4;  // 16 ymm: 8 of weights, 2 accumulators per token
+
+// rows in 8 lanes, twice per group; the products through maddubs, which takes an unsigned byte:
+// the unsigned stored values as they are (Q4_0's offset taken back with the activations' sum),
+// the signed ones (Q8_0, IQ4_NL) as their magnitude against activations carrying their sign. No
+// pair of products saturates 16 bits.
+template <ggml_type TYPE, int T>
+void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
+    constexpr layout_info I = info_of(TYPE);
+    constexpr bool is_signed = TYPE == GGML_TYPE_Q8_0 || TYPE == GGML_TYPE_IQ4_NL;
+    const __m256i m4   = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i lut  = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) kvalues_iq4nl));
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) {
+        acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    }
+    const int64_t n_sb = K / (QK * I.blocks);
+    for (int64_t s = 0; s < n_sb; ++s) {
+        const uint8_t * hdr = w;
+        w += I.header;
+        for (int j = 0; j < I.blocks; ++j, w += I.unit) {
+            const int64_t b = s * I.blocks + j;
+            for (int h = 0; h < 2; ++h) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (hdr + 16 * h)));
+                __m256 neg_dmin = _mm256_setzero_ps();
+                if constexpr (has_min(TYPE)) {
+                    neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (hdr + 32 + 16 * h))));
+                }
+                __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
+                const uint8_t * qp = w;
+                if constexpr (has_scales(TYPE)) {
+                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
+                        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
+                        sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
+                    } else {
+                        sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
+                        sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
+                    }
+                    qp += 32;
+                }
+                __m256i q[8];
+                if constexpr (TYPE == GGML_TYPE_Q8_0) {
+                    for (int m = 0; m < 8; ++m) {
+                        q[m] = _mm256_loadu_si256((const __m256i *) (qp + 64 * m + 32 * h));
+                    }
+                } else {
+                    for (int m = 0; m < 4; ++m) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *) (qp + 64 * m + 32 * h));
+                        q[m]     = _mm256_and_si256(v, m4);
+                        q[m + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    if constexpr (TYPE == GGML_TYPE_IQ4_NL) {
+                        for (int m = 0; m < 8; ++m) {
+                            q[m] = _mm256_shuffle_epi8(lut, q[m]);
+                        }
+                    } else if constexpr (TYPE == GGML_TYPE_Q5_K) {
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *) (qp + 256 + 32 * h));
+                        for (int m = 0; m < 8; ++m) {
+                            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, m), _mm256_set1_epi8(1));
+                            q[m] = _mm256_or_si256(q[m], _mm256_slli_epi16(bit, 4));
+                        }
+                    } else if constexpr (TYPE == GGML_TYPE_Q6_K) {
+                        for (int m = 0; m < 8; ++m) {
+                            const __m256i hb   = _mm256_loadu_si256((const __m256i *) (qp + 256 + 64 * (m / 4) + 32 * h));
+                            const __m256i bits = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * (m % 4)), _mm256_set1_epi8(3));
+                            q[m] = _mm256_or_si256(q[m], _mm256_slli_epi16(bits, 4));
+                        }
+                    }
+                }
+                for (int t = 0; t < T; ++t) {
+                    const int32_t * xq = (const int32_t *) (x[t].q + b * QK);
+                    const int32_t   s0 = x[t].s16[2 * b], s1 = x[t].s16[2 * b + 1];
+                    const __m256    dd = _mm256_mul_ps(d, _mm256_set1_ps(x[t].d[b]));
+                    __m256i a[2] = { _mm256_setzero_si256(), _mm256_setzero_si256() };
+                    for (int m = 0; m < 8; ++m) {
+                        const __m256i xb = _mm256_set1_epi32(xq[m]);
+                        const __m256i p  = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(q[m], q[m]), _mm256_sign_epi8(xb, q[m]))
+                                                     : _mm256_maddubs_epi16(q[m], xb);
+                        a[m / 4] = _mm256_add_epi32(a[m / 4], _mm256_madd_epi16(p, ones));
+                    }
+                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
+                        const __m256i a0 = _mm256_sub_epi32(a[0], _mm256_set1_epi32(32 * s0));
+                        const __m256i a1 = _mm256_sub_epi32(a[1], _mm256_set1_epi32(32 * s1));
+                        const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(a0, sc0), _mm256_mullo_epi32(a1, sc1));
+                        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
+                    } else if constexpr (has_min(TYPE)) {
+                        const __m256i isum = _mm256_mullo_epi32(_mm256_add_epi32(a[0], a[1]), sc0);
+                        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
+                        const __m256i mins = _mm256_mullo_epi32(sc1, _mm256_set1_epi32(s0 + s1));
+                        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(x[t].d[b])), acc[t][h]);
+                    } else {
+                        __m256i isum = _mm256_add_epi32(a[0], a[1]);
+                        if constexpr (TYPE == GGML_TYPE_Q4_0) {
+                            isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s0 + s1)));
+                        }
+                        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
+                    }
+                }
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t) {
+        _mm256_storeu_ps(y + t * GROUP, acc[t][0]);
+        _mm256_storeu_ps(y + t * GROUP + 8, acc[t][1]);
+    }
+}
+
+#else
+#define EXACT_KERNEL "scalar"
+constexpr int TILE_MAX = 8;
+
+template <ggml_type TYPE, int T>
+void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
+    constexpr layout_info I = info_of(TYPE);
+    const int64_t n_sb = K / (QK * I.blocks);
+    for (int t = 0; t < T; ++t) {
+        for (int r = 0; r < GROUP; ++r) {
+            float acc = 0.0f;
+            const uint8_t * p = w;
+            for (int64_t s = 0; s < n_sb; ++s) {
+                const float d = GGML_CPU_FP16_TO_FP32(((const ggml_half *) p)[r]);
+                const float dmin = has_min(TYPE) ? GGML_CPU_FP16_TO_FP32(((const ggml_half *) (p + 32))[r]) : 0.0f;
+                p += I.header;
+                for (int j = 0; j < I.blocks; ++j, p += I.unit) {
+                    const int64_t b = s * I.blocks + j;
+                    const uint8_t * qp = has_scales(TYPE) ? p + 32 : p;
+                    int32_t a[2] = { 0, 0 };
+                    for (int k = 0; k < QK; ++k) {
+                        a[k / 16] += value_in_sum(TYPE, stored_at(TYPE, qp, r, k)) * x[t].q[b * QK + k];
+                    }
+                    const int32_t s0 = x[t].s16[2 * b], s1 = x[t].s16[2 * b + 1];
+                    const float   dx = x[t].d[b];
+                    if (TYPE == GGML_TYPE_Q6_K) {  // value_in_sum took the 32 off already
+                        const int32_t isum = (int8_t) p[r] * a[0] + (int8_t) p[16 + r] * a[1];
+                        acc = fmaf((float) isum, d * dx, acc);
+                    } else if (has_min(TYPE)) {
+                        acc = fmaf((float) (p[r] * (a[0] + a[1])), d * dx, acc);
+                        acc = fmaf((float) (p[16 + r] * (s0 + s1)), -dmin * dx, acc);
+                    } else {
+                        acc = fmaf((float) (a[0] + a[1]), d * dx, acc);
+                    }
+                }
+            }
+            y[t * GROUP + r] = acc;
+        }
+    }
+}
+#endif
+
+#if !defined(EXACT_KERNEL_TAKES_GROUPS)
+// one group at a time
+template <ggml_type TYPE, int G, int T>
+void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x, float * y) {
+    for (int c = 0; c < G; ++c) {
+        tile_one<TYPE, T>(w + c * gstride, K, x, y + c * T * GROUP);
+    }
+}
+#endif
+
+// a single token's matmul takes this many groups at once
+constexpr int GEMV_GROUPS = 4;
+
+template <ggml_type TYPE>
+void tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
+    if (G == GEMV_GROUPS && T == 1) {
+        tile_simd<TYPE, GEMV_GROUPS, 1>(w, gstride, K, x, y);
+        return;
+    }
+    GGML_ASSERT(G == 1);
+    switch (T) {
+        case 1: tile_simd<TYPE, 1, 1>(w, gstride, K, x, y); break;
+        case 2: tile_simd<TYPE, 1, 2>(w, gstride, K, x, y); break;
+        case 3: tile_simd<TYPE, 1, 3>(w, gstride, K, x, y); break;
+        case 4: tile_simd<TYPE, 1, 4>(w, gstride, K, x, y); break;
+        case 5: tile_simd<TYPE, 1, 5>(w, gstride, K, x, y); break;
+        case 6: tile_simd<TYPE, 1, 6>(w, gstride, K, x, y); break;
+        case 7: tile_simd<TYPE, 1, 7>(w, gstride, K, x, y); break;
+        case 8: tile_simd<TYPE, 1, 8>(w, gstride, K, x, y); break;
+        default: GGML_ABORT("CPU_EXACT: tile of %d tokens", T);
+    }
+}
+
+void run_tile(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
+    switch (type) {
+        case GGML_TYPE_Q4_0:   tile<GGML_TYPE_Q4_0>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_Q8_0:   tile<GGML_TYPE_Q8_0>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_IQ4_NL: tile<GGML_TYPE_IQ4_NL>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_Q4_K:   tile<GGML_TYPE_Q4_K>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_Q5_K:   tile<GGML_TYPE_Q5_K>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_Q6_K:   tile<GGML_TYPE_Q6_K>(w, gstride, G, K, T, x, y); break;
+        default: GGML_ABORT("CPU_EXACT: type %s", ggml_type_name(type));
+    }
+}
+
+// G consecutive groups (1, or GEMV_GROUPS for a single token), gstride bytes apart, whose first
+// row is row0, of a matrix of M rows, for n tokens: act(i) the i-th token's activation row, out(i)
+// its output row (indexed by weight row)
+template <typename Act, typename Out>
+void groups_for_tokens(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t K, int64_t n, Act act,
+                       Out out, int64_t row0, int64_t M) {
+    act_row x[TILE_MAX];
+    alignas(64) float y[TILE_MAX * GROUP];
+    static_assert(GEMV_GROUPS <= TILE_MAX, "y holds a tile");
+    for (int64_t i0 = 0; i0 < n; i0 += TILE_MAX) {
+        const int T = (int) std::min<int64_t>(TILE_MAX, n - i0);
+        for (int t = 0; t < T; ++t) {
+            x[t] = act_at(act(i0 + t), K);
+        }
+        run_tile(type, w, gstride, G, K, T, x, y);
+        for (int c = 0; c < G; ++c) {
+            const int64_t r0 = row0 + c * GROUP;
+            for (int t = 0; t < T; ++t) {
+                memcpy(out(i0 + t) + r0, y + (c * T + t) * GROUP, (size_t) std::min<int64_t>(GROUP, M - r0) * sizeof(float));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------- the ops
+
+struct mmid_pair {
+    int32_t slot;   // i1: which of the token's chosen experts
+    int32_t token;  // i2
+};
+
+class exact_traits : public ggml::cpu::tensor_traits {
+  public:
+    explicit exact_traits(bool plain) : plain(plain) {}
+
+  private:
+    const bool plain;  // the weights are in the file's layout: each group is interleaved on the fly
+
+    static size_t scratch_bytes(const ggml_tensor * w) {
+        return (size_t) group_bytes(w->type, w->ne[0]);
+    }
+
+    bool work_size(int n_threads, const ggml_tensor * op, size_t & size) override {
+        const ggml_tensor * src0 = op->src[0];
+        const ggml_tensor * src1 = op->src[1];
+        const int64_t n_rows1 = src1->ne[1] * src1->ne[2] * src1->ne[3];
+        size = GGML_PAD(act_row_bytes(src0->ne[0]) * (size_t) n_rows1, 64);
+        if (op->op == GGML_OP_MUL_MAT_ID) {
+            const ggml_tensor * ids = op->src[2];
+            const int64_t n_as = src0->ne[2];
+            size += GGML_PAD(sizeof(int64_t) * (size_t) n_as, 64);
+            size += GGML_PAD(sizeof(mmid_pair) * (size_t) (n_as * ids->ne[0] * ids->ne[1]), 64);
+        }
+        if (plain) {
+            size += GGML_PAD(scratch_bytes(src0), 64) * (size_t) n_threads;
+        }
+        return true;
+    }
+
+    bool compute_forward(ggml_compute_params * params, ggml_tensor * op) override {
+        if (op->op == GGML_OP_MUL_MAT) {
+            forward_mul_mat(params, op);
+            return true;
+        }
+        if (op->op == GGML_OP_MUL_MAT_ID) {
+            forward_mul_mat_id(params, op);
+            return true;
+        }
+        return false;
+    }
+
+    // group g of the weight matrix at `w`: in place when interleaved, else interleaved into scratch
+    const uint8_t * group_at(const ggml_tensor * src0, const uint8_t * w, int64_t g, uint8_t * scratch) const {
+        if (!plain) {
+            return w + g * group_bytes(src0->type, src0->ne[0]);
+        }
+        const int64_t n_rows = std::min<int64_t>(GROUP, src0->ne[1] - g * GROUP);
+        interleave_group(src0->type, w + g * GROUP * src0->nb[1], src0->nb[1], n_rows, src0->ne[0], scratch);
+        return scratch;
+    }
+
+    // this thread's scratch for a plain group, after `used` bytes of wdata
+    uint8_t * scratch_of(const ggml_compute_params * params, const ggml_tensor * src0, size_t used) const {
+        if (!plain) {
+            return nullptr;
+        }
+        return (uint8_t *) params->wdata + used + GGML_PAD(scratch_bytes(src0), 64) * (size_t) params->ith;
+    }
+
+    // every row of src1 (ne11 x ne12 x ne13), quantized into wdata, rows split across threads
+    static void quantize_src1(const ggml_compute_params * params, const ggml_tensor * src1, uint8_t * wdata) {
+        const int64_t K  = src1->ne[0];
+        const size_t  rb = act_row_bytes(K);
+        const int64_t n  = src1->ne[1] * src1->ne[2] * src1->ne[3];
+        for (int64_t i = params->ith; i < n; i += params->nth) {
+            const int64_t i11 = i % src1->ne[1];
+            const int64_t i12 = (i / src1->ne[1]) % src1->ne[2];
+            const int64_t i13 = i / (src1->ne[1] * src1->ne[2]);
+            const float * x = (const float *) ((const char *) src1->data + i11 * src1->nb[1] + i12 * src1->nb[2] + i13 * src1->nb[3]);
+            quantize_act(x, wdata + i * rb, K);
+        }
+    }
+
+    void forward_mul_mat(ggml_compute_params * params, ggml_tensor * dst) const {
+        const ggml_tensor * src0 = dst->src[0];
+        const ggml_tensor * src1 = dst->src[1];
+        const int64_t K = src0->ne[0], M = src0->ne[1];
+        const int64_t ne11 = src1->ne[1], ne12 = src1->ne[2];
+        const int64_t n  = ne11 * ne12 * src1->ne[3];
+        const size_t  rb = act_row_bytes(K);
+        uint8_t * acts = (uint8_t *) params->wdata;
+        quantize_src1(params, src1, acts);
+        ggml_barrier(params->threadpool);
+
+        uint8_t * scratch = scratch_of(params, src0, GGML_PAD(rb * (size_t) n, 64));
+        const int64_t n_groups = (M + GROUP - 1) / GROUP;
+        auto act = [&](int64_t i) { return acts + i * rb; };
+        auto out = [&](int64_t i) {
+            const int64_t i11 = i % ne11, i12 = (i / ne11) % ne12, i13 = i / (ne11 * ne12);
+            return (float *) ((char *) dst->data + i11 * dst->nb[1] + i12 * dst->nb[2] + i13 * dst->nb[3]);
+        };
+        // each thread a contiguous range of groups: long runs of memory for the prefetchers
+        const int64_t g0 = n_groups * params->ith / params->nth, g1 = n_groups * (params->ith + 1) / params->nth;
+        const int64_t gstride = group_bytes(src0->type, K);
+        for (int64_t g = g0; g < g1;) {
+            const int G = !plain && n == 1 && g + GEMV_GROUPS <= g1 ? GEMV_GROUPS : 1;
+            const uint8_t * w = group_at(src0, (const uint8_t *) src0->data, g, scratch);
+            groups_for_tokens(src0->type, w, gstride, G, K, n, act, out, g * GROUP, M);
+            g += G;
+        }
+    }
+
+    void forward_mul_mat_id(ggml_compute_params * params, ggml_tensor * dst) const {
+        const ggml_tensor * src0 = dst->src[0];
+        const ggml_tensor * src1 = dst->src[1];
+        const ggml_tensor * ids  = dst->src[2];
+        const int64_t K = src0->ne[0], M = src0->ne[1], n_as = src0->ne[2];
+        const int64_t ne11  = src1->ne[1];
+        const int64_t n_ids = ids->ne[0], n_tokens = ids->ne[1];
+        const size_t  rb = act_row_bytes(K);
+
+        uint8_t * acts = (uint8_t *) params->wdata;
+        size_t used = GGML_PAD(rb * (size_t) (ne11 * src1->ne[2] * src1->ne[3]), 64);
+        int64_t * counts = (int64_t *) ((char *) params->wdata + used);
+        used += GGML_PAD(sizeof(int64_t) * (size_t) n_as, 64);
+        mmid_pair * pairs = (mmid_pair *) ((char *) params->wdata + used);  // [n_as][n_ids * n_tokens]
+        used += GGML_PAD(sizeof(mmid_pair) * (size_t) (n_as * n_ids * n_tokens), 64);
+
+        quantize_src1(params, src1, acts);
+        if (params->ith == 0) {
+            memset(counts, 0, sizeof(int64_t) * (size_t) n_as);
+            for (int64_t t = 0; t < n_tokens; ++t) {
+                for (int64_t s = 0; s < n_ids; ++s) {
+                    const int32_t e = *(const int32_t *) ((const char *) ids->data + t * ids->nb[1] + s * ids->nb[0]);
+                    GGML_ASSERT(e >= -1 && e < n_as);
+                    if (e < 0) {  // computed elsewhere (patch 0001): its output row is zero
+                        memset((char *) dst->data + s * dst->nb[1] + t * dst->nb[2], 0, (size_t) M * sizeof(float));
+                        continue;
+                    }
+                    pairs[e * n_ids * n_tokens + counts[e]++] = { (int32_t) s, (int32_t) t };
+                }
+            }
+        }
+        ggml_barrier(params->threadpool);
+
+        uint8_t * scratch = scratch_of(params, src0, used);
+        const int64_t n_groups = (M + GROUP - 1) / GROUP;
+        // (expert, group) pairs in order, split into contiguous runs of about equal cost: a group's
+        // weights read once (as much as WEIGHT_COST tokens) and its tokens
+        constexpr int64_t WEIGHT_COST = 4;
+        int64_t total = 0;
+        for (int64_t e = 0; e < n_as; ++e) {
+            total += counts[e] ? n_groups * (counts[e] + WEIGHT_COST) : 0;
+        }
+        int64_t done = 0;
+        const int64_t gstride = group_bytes(src0->type, K);
+        for (int64_t e = 0; e < n_as; ++e) {
+            const int64_t n = counts[e];
+            if (n == 0) {
+                continue;
+            }
+            const mmid_pair * p = pairs + e * n_ids * n_tokens;
+            auto act = [&](int64_t i) { return acts + ((p[i].slot % ne11) + p[i].token * ne11) * rb; };
+            auto out = [&](int64_t i) {
+                return (float *) ((char *) dst->data + p[i].slot * dst->nb[1] + p[i].token * dst->nb[2]);
+            };
+            const uint8_t * w0 = (const uint8_t *) src0->data + e * (plain ? (int64_t) src0->nb[2] : matrix_bytes(src0));
+            for (int64_t g = 0; g < n_groups;) {
+                const int G = !plain && n == 1 && g + GEMV_GROUPS <= n_groups ? GEMV_GROUPS : 1;
+                const int64_t cost = G * (n + WEIGHT_COST);
+                const int64_t owner = (2 * done + cost) * params->nth / (2 * total);  // by the unit's middle
+                done += cost;
+                if (owner == params->ith) {
+                    const uint8_t * w = group_at(src0, w0, g, scratch);
+                    groups_for_tokens(src0->type, w, gstride, G, K, n, act, out, g * GROUP, M);
+                }
+                g += G;
+            }
+        }
+    }
+};
+
+exact_traits interleaved_traits(false);
+exact_traits plain_traits(true);
+
+bool is_extra_buft(ggml_backend_buffer_type_t buft) {
+    for (auto * extra : ggml_backend_cpu_get_extra_buffer_types()) {
+        if (extra == buft) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// the shapes the kernels take: whole blocks, rows contiguous, F32 activations in host memory
+bool shape_ok(const ggml_tensor * op) {
+    const ggml_tensor * src0 = op->src[0];
+    const ggml_tensor * src1 = op->src[1];
+    if (!covered(src0->type) || src1->type != GGML_TYPE_F32 || src0->ne[0] % (QK * info_of(src0->type).blocks) != 0) {
+        return false;
+    }
+    if (src1->buffer && !ggml_backend_buft_is_host(src1->buffer->buft)) {
+        return false;
+    }
+    if (src0->nb[0] != ggml_type_size(src0->type) || src0->nb[1] != ggml_row_size(src0->type, src0->ne[0]) ||
+        src1->nb[0] != sizeof(float) || op->nb[0] != sizeof(float)) {
+        return false;
+    }
+    if (op->op == GGML_OP_MUL_MAT) {
+        return ggml_n_dims(src0) == 2;
+    }
+    return op->op == GGML_OP_MUL_MAT_ID && src0->ne[3] == 1 && src1->ne[3] == 1 && op->src[2]->ne[1] == src1->ne[2];
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ the buffer type
+
+static enum ggml_status exact_buffer_init_tensor(ggml_backend_buffer_t buffer, ggml_tensor * tensor) {
+    tensor->extra = (void *) static_cast<ggml::cpu::tensor_traits *>(&interleaved_traits);
+    GGML_UNUSED(buffer);
+    return GGML_STATUS_SUCCESS;
+}
+
+static void exact_buffer_set_tensor(ggml_backend_buffer_t buffer, ggml_tensor * t, const void * data, size_t offset, size_t size) {
+    GGML_ASSERT(offset == 0 && size == ggml_nbytes(t));
+    GGML_ASSERT(covered(t->type) && t->ne[1] % GROUP == 0 && t->ne[0] % (QK * info_of(t->type).blocks) == 0);
+    const size_t  row    = ggml_row_size(t->type, t->ne[0]);
+    const int64_t n_mats = t->ne[2] * t->ne[3];
+    for (int64_t e = 0; e < n_mats; ++e) {
+        const uint8_t * src = (const uint8_t *) data + e * t->nb[2];
+        uint8_t *       dst = (uint8_t *) t->data + e * matrix_bytes(t);
+        for (int64_t g = 0; g < t->ne[1] / GROUP; ++g) {
+            interleave_group(t->type, src + g * GROUP * row, row, GROUP, t->ne[0], dst + g * group_bytes(t->type, t->ne[0]));
+        }
+    }
+    GGML_UNUSED(buffer);
+}
+
+static const char * exact_buffer_type_get_name(ggml_backend_buffer_type_t buft) {
+    GGML_UNUSED(buft);
+    return "CPU_EXACT";
+}
+
+static ggml_backend_buffer_t exact_buffer_type_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size) {
+    ggml_backend_buffer_t buffer = ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), size);
+    if (buffer == nullptr) {
+        return nullptr;
+    }
+    buffer->buft              = buft;
+    buffer->iface.init_tensor = exact_buffer_init_tensor;
+    buffer->iface.set_tensor  = exact_buffer_set_tensor;
+    buffer->iface.get_tensor  = nullptr;
+    buffer->iface.cpy_tensor  = nullptr;
+    return buffer;
+}
+
+static size_t exact_buffer_type_get_alignment(ggml_backend_buffer_type_t buft) {
+    GGML_UNUSED(buft);
+    return TENSOR_ALIGNMENT;
+}
+
+// the K-quants' layout keeps their integer scales unpacked, a few percent more than the file
+static size_t exact_buffer_type_get_alloc_size(ggml_backend_buffer_type_t buft, const ggml_tensor * t) {
+    GGML_UNUSED(buft);
+    if (!covered(t->type) || t->ne[0] % (QK * info_of(t->type).blocks) != 0) {
+        return ggml_nbytes(t);
+    }
+    return std::max((size_t) (matrix_bytes(t) * t->ne[2] * t->ne[3]), ggml_nbytes(t));
+}
+
+namespace ggml::cpu::exact {
+class extra_buffer_type : ggml::cpu::extra_buffer_type {
+    bool supports_op(ggml_backend_dev_t, const ggml_tensor * op) override {
+        const ggml_tensor * w = op->src[0];
+        return (op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID) && w->buffer && w->view_src == nullptr &&
+               w->buffer->buft == ggml_backend_cpu_exact_buffer_type() && w->ne[1] % GROUP == 0 && shape_ok(op);
+    }
+
+    // this buffer type's weights; and, in batch-invariant mode, the plain layout of the types it
+    // takes, so that either layout sums in the same order
+    ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
+        if (op->op != GGML_OP_MUL_MAT && op->op != GGML_OP_MUL_MAT_ID) {
+            return nullptr;
+        }
+        const ggml_tensor * w = op->src[0];
+        if (w->buffer && w->buffer->buft == ggml_backend_cpu_exact_buffer_type()) {
+            return &interleaved_traits;
+        }
+        if (ggml_cpu_get_batch_invariant_rows() > 0 && w->buffer && ggml_backend_buft_is_host(w->buffer->buft) &&
+            !is_extra_buft(w->buffer->buft) && shape_ok(op)) {
+            return &plain_traits;
+        }
+        return nullptr;
+    }
+};
+}  // namespace ggml::cpu::exact
+
+ggml_backend_buffer_type_t ggml_backend_cpu_exact_buffer_type(void) {
+    static ggml_backend_buffer_type buft = {
+        /* .iface    = */ {
+            /* .get_name         = */ exact_buffer_type_get_name,
+            /* .alloc_buffer     = */ exact_buffer_type_alloc_buffer,
+            /* .get_alignment    = */ exact_buffer_type_get_alignment,
+            /* .get_max_size     = */ nullptr,
+            /* .get_alloc_size   = */ exact_buffer_type_get_alloc_size,
+            /* .is_host          = */ nullptr,
+        },
+        /* .device  = */ ggml_backend_reg_dev_get(ggml_backend_cpu_reg(), 0),
+        /* .context = */ new ggml::cpu::exact::extra_buffer_type(),
+    };
+    return &buft;
+}
+
+const char * ggml_cpu_exact_kernel(void) {
+    return EXACT_KERNEL;
+}
