@@ -24,7 +24,7 @@ def test_no_gpu_pool_off_in_one_line():
     p = place(QWEN, 4096, None, None, Budget())
     assert p.device is None and p.n_gpu_layers == 0 and "no GPU" in p.note and "--device CPU" in p.note
     with pytest.raises(PlacementError, match="--engine"):
-        place(QWEN, 4096, None, None, Budget(), engine=True)
+        place(QWEN, 4096, None, None, Budget(), expert_engine=True)
 
 
 def test_gpu_takes_every_layer_and_the_rest_goes_to_the_pool():
@@ -56,7 +56,7 @@ def test_overrides_win():
     assert place(QWEN, 4096, gpu, None, Budget(ratio=0.25)).pool[0].budget.nbytes == int(0.25 * QWEN.expert_bytes)
     with pytest.raises(PlacementError, match="--expert-budget"):
         place(QWEN, 4096, gpu, None, Budget(nbytes=16 * GiB))
-    off = place(QWEN, 4096, gpu, None, Budget(), engine=False)
+    off = place(QWEN, 4096, gpu, None, Budget(), expert_engine=False)
     assert off.device is None and off.n_gpu_layers == 48 and "--no-engine" in off.note
 
 

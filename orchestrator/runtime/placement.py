@@ -107,11 +107,11 @@ def _held(sizes: ModelSizes) -> str:
 
 
 def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, budget: Budget, ngl: str = "auto",
-          engine: bool | None = None, margin: int = MARGIN, stream: bool = True, states: int = 1,
+          expert_engine: bool | None = None, margin: int = MARGIN, stream: bool = True, states: int = 1,
           auto_ubatch: bool = True) -> Placement:
     """The placement for these model sizes, this free GPU memory (gpu: the first GPU, None if
     there is none) and these options (device: --device; budget: --expert-budget; ngl: -ngl;
-    engine: --engine/--no-engine, None = on when possible; stream: --stream-prefill is not off;
+    expert_engine: --engine/--no-engine, None = on when possible; stream: --stream-prefill is not off;
     states: recurrent states per layer, `recurrent_states`, counted where sizes.state_bytes;
     auto_ubatch: -ub auto, the prompt pass chosen here and paid for from the pool; False: -ub N).
 
@@ -136,7 +136,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
                          f"{host}", state_bytes=total_state)
     if device is None and gpu is None:
         ngl_off = want or 0
-        if engine:
+        if expert_engine:
             raise PlacementError("--engine: no GPU found for the expert pool (--device CPU runs it on the CPU test device)")
         return Placement((), ngl_off, "expert pool off: no GPU found (--device CPU runs it on the CPU test "
                          f"device){host}", state_bytes=total_state)
@@ -145,7 +145,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
         want = max(0, min(n_layer, int((on_gpu.free - margin) // per_layer))) if per_layer > 0 else n_layer
     used = per_layer * want
     layers = f"{want}/{n_layer} layers on {on_gpu.name}{_state_note(sizes, states, want)}"
-    if engine is False or not sizes.expert_bytes:
+    if expert_engine is False or not sizes.expert_bytes:
         why = "--no-engine" if sizes.expert_bytes else "the model has no routed experts"
         return Placement((), want, f"expert pool off ({why}); {layers}", state_bytes=total_state)
     left = int(on_gpu.free - used - margin)
@@ -176,7 +176,7 @@ def place(sizes: ModelSizes, n_ctx: int, gpu: GPU | None, device: str | None, bu
             ubatch = prompt_ubatch(sizes, pool, n_ctx, left - pool - staging)
         return with_staging(pool, f"{layers}, expert pool {_mib(pool)}", ubatch)
     if left < max(sizes.one_expert * n_layer, 1):  # less than one slot per layer: not worth a pool
-        if engine:
+        if expert_engine:
             raise PlacementError(f"--engine: no room for the expert pool on {on_gpu.name} ({_mib(on_gpu.free)} free, "
                                  f"{_mib(used)} for {want} layers' {_held(sizes)}); lower -ngl or --ctx-size")
         return Placement((), want, f"expert pool off: {on_gpu.name} is full after {want}/{n_layer} layers "
