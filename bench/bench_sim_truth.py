@@ -72,8 +72,8 @@ DEFAULT_TARGET = ROOT / "runs" / "mb" / "olmoe-bytes-f16.gguf"
 DEFAULT_DRAFT = MODELS_DIR / "spac-tiny-moe-q4_0.gguf"
 BUDGETS = (0.25, 0.5)
 # live name → the simulator's policy of the same class; llama-moe-cache: llama.cpp's own expert cache
-# in spac's engine (patch 0023), on request (--policies)
-POLICIES = {"static": "static", "spac": "spac/host", "llama-moe-cache": "llama-moe-cache"}
+# in spac's engine (patch 0023: its plain LRU, llama-moe-cache-lru), on request (--policies)
+POLICIES = {"static": "static", "spac": "spac/host", "llama-moe-cache": "llama-moe-cache-lru"}
 DEFAULT_POLICIES = ("static", "spac")
 
 
@@ -181,9 +181,9 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
                         n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, expert_engine=True,
                         pool=(PoolDevice(device or "CPU", Budget(ratio=row.budget)),), calibration_cache=cache, mmap=args.mmap)
-    from orchestrator.policies.cache import LlamaMoeCache
+    from orchestrator.policies.cache import LlamaMoeCacheLRU
 
-    policy = {"static": StaticPlacement, "llama-moe-cache": LlamaMoeCache}.get(
+    policy = {"static": StaticPlacement, "llama-moe-cache": LlamaMoeCacheLRU}.get(
         row.policy, lambda: LookaheadUtility(miss="cpu"))()  # spac: the session's default
     with Session(cfg, policy=policy) as s:
         s.complete(WARM_UP, max_tokens=16)

@@ -4,7 +4,7 @@ ways of running an MoE larger than the card, its GPU expert cache (llama-moe-cac
 orchestrator/profiles/hardware.toml (8, 12, 16 and 24 GB consumer cards), at the expert-pool
 budget each card leaves (the same VRAM for every system).
 
-    .venv/bin/python bench/sim_gpu_projection.py [--steps 600] [--validation rows.json] [--model KEY ...]
+    .venv/bin/python bench/sim_gpu_projection.py [--steps 600] [--validation rows.json] [--model KEY ...] [--json FILE]
 
 Setting: synthetic routing traces of each model family (`spac sim families`), a per-token
 acceptance of 0.75 and the best γ of 1, 2, 4, 8 for the speculative rows (spac's governor picks
@@ -19,16 +19,23 @@ for its draft's cost, as it does for gpt-oss (neither shares that tokenizer).
 - llama.cpp --n-cpu-moe: the `static` policy (whole layers on the device, the first ones' experts
   on the host); a crossing only in the layers with host experts.
 - llama.cpp's GPU expert cache: the `llama-moe-cache` policy, as master's src/llama-moe-cache.cpp
-  runs a verify pass of at most 32 tokens: one LRU over every layer's slots, each layer reading
-  its router's choice back (a device synchronize, the profile's sync time), uploading its misses
-  on the critical path and computing every routed expert on the device. It starts empty, as at
-  load (a prompt leaves it as it is), and is measured in the same steady-state window.
-- spac: the default policy with host compute on miss (`spac/host`, what the engine runs); the
-  engine's graph splits every MoE layer, so every layer pays the crossing, and the device
-  multiplies the host experts' tokens by its zero slot (both measured facts of the engine,
-  bench/bench_sim_truth.py).
+  runs a verify pass of at most 32 tokens: one cache over every layer's slots whose victims go by
+  frequency class and age (ClassLRU, release b12170), each layer reading its router's choice back
+  (a device synchronize, the profile's sync time), uploading its misses on the critical path and
+  computing every routed expert on the device. It starts empty, as at load (a prompt leaves it as
+  it is), and is measured in the same steady-state window. Also with `--moe-cache-cpu-share` at
+  the best of master's tuning script's shares for each row (0.5-0.98: that share of a full
+  cache's misses on the CPU), and with its first, plain LRU (`llama-moe-cache-lru`, the live
+  ablation of spac's engine).
+- spac: the default policy with host compute on miss (`spac/host`, what the engine runs today),
+  and with the miss rule of issue 51 (`spac`: a miss uploaded or computed on the host, whichever
+  finishes first, HybriMoE's two-ended greedy; simulated only so far); the engine's graph splits
+  every MoE layer, so every layer pays the crossing, and the device multiplies the host experts'
+  tokens by its zero slot (both measured facts of the engine, bench/bench_sim_truth.py).
 tok/s over the last two thirds of the steps (the pool, and the cache, have filled by then).
 --validation: the JSON of bench_sim_truth.py, whose error on this machine is printed beside.
+--json FILE: one object per (card, model), {"card", "model", "fits" (every expert fits the pool),
+"tok_s": {SYSTEM: {"ar": tok/s, "sd": tok/s}}}, SYSTEM `spac` or one of llama.cpp's (`llama-...`).
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ from orchestrator.sim.synthetic import FAMILIES, QWEN3_30B_A3B, family_trace, sy
 
 CARDS = ("rtx4060", "rtx3060", "rtx4060ti16", "rtx4090")  # 8, 12, 16 and 24 GB
 MODELS = {"qwen3-30b-a3b": "Q4_K", "qwen3.6-35b-a3b": "Q4_K", "gpt-oss-120b": "MXFP4"}
-SYSTEMS = ("static", "llama-moe-cache", "spac/host")  # llama.cpp --n-cpu-moe, llama.cpp's cache, spac
+# the rows: simulator policy → the JSON's system name (None: the table only)
+SYSTEMS = {"static": "llama-n-cpu-moe", "llama-moe-cache-lru": "llama-moe-cache-lru", "llama-moe-cache": "llama-moe-cache",
+           "llama-moe-cache+cpu-share": "llama-moe-cache-cpu-share", "spac/host": None, "spac": "spac"}
+CPU_SHARES = (0.5, 0.8, 0.9, 0.95, 0.98)  # master's scripts/moe-cache-tune.py searches these (and 0)
 ENGINE = ("spac/host", "spac")  # policies the spac engine runs: its split graph's costs
 # --multi-card: one RTX 3090 against two (layer split), both in this machine or the second in
 # another one over the network (ggml RPC), on models too big for either
@@ -75,12 +85,16 @@ def capacity(config: SimConfig) -> int:
 
 
 def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, steps: int, seed: int) -> dict:
-    """The row at its best γ (as the governor picks γ live): γ = 0, or the best of 1, 2, 4, 8."""
+    """The row at its best γ (as the governor picks γ live): γ = 0, or the best of 1, 2, 4, 8; the
+    cache with a CPU share also at its best share (as a user tunes it)."""
     gammas = GAMMAS if speculative else (0,)
+    if policy == "llama-moe-cache+cpu-share":
+        return max((row(card, model, quant, g, "llama-moe-cache", steps, seed, cpu_share=share)
+                    for g in gammas for share in CPU_SHARES), key=lambda r: r["tok_s"])
     return max((row(card, model, quant, g, policy, steps, seed) for g in gammas), key=lambda r: r["tok_s"])
 
 
-def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, seed: int) -> dict:
+def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, seed: int, **policy_args) -> dict:
     speculative = gamma > 0
     if model in FAMILIES:
         trace = family_trace(model, steps, gamma=gamma, acceptance=0.75, draft_fidelity=None, seed=seed)
@@ -95,11 +109,11 @@ def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, 
     costs = config.costs()
     if policy in ENGINE:  # spac's engine: a crossing in every split layer, the zero slot on the device
         costs = replace(costs, sync_every_layer=True, zero_slot=True)
-    r = Simulator(trace, config, costs=costs).run(make_policy(policy))
+    r = Simulator(trace, config, costs=costs).run(make_policy(policy, **policy_args))
     warm = steps // 3  # steady state: the pool fills at the link's pace first (spac paces its copies)
     tok_s = float((trace.n_accepted[warm:] + 1).sum() / r.step_time[warm:].sum())
     n_all = profiles.model(model).n_layer * profiles.model(model).n_expert
-    return {"slots": config.capacity, "share": config.capacity / n_all, "tok_s": tok_s, "gamma": gamma}
+    return {"slots": config.capacity, "share": config.capacity / n_all, "tok_s": tok_s, "gamma": gamma, **policy_args}
 
 
 def main() -> None:
@@ -111,6 +125,7 @@ def main() -> None:
                     help="one RTX 3090 against two (x8 each, or the second in another PC over 25 or 10 GbE), on "
                     "Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
     ap.add_argument("--model", action="append", help="only this model profile's rows (repeatable)")
+    ap.add_argument("--json", type=Path, help="write the rows as JSON to this file")
     args = ap.parse_args()
     cards, models = (MULTI_CARDS, MULTI_MODELS) if args.multi_card else (CARDS, MODELS)
     if args.model:
@@ -126,26 +141,45 @@ def main() -> None:
             return max(abs(r["predicted_tok_s"] / r["measured_tok_s"] - 1) for r in rows if r["speculative"] == spec)
 
         note = f"≤ {100 * worst(False):.0f}% / ≤ {100 * worst(True):.0f}%"
-    print("| card | model | pool (experts) | llama.cpp --n-cpu-moe | + speculative | llama-moe-cache | + speculative |"
-          " spac | spac + speculative | spac + spec. ÷ llama-moe-cache + spec. | ÷ --n-cpu-moe + spec. |"
-          " validation error (autoregressive / speculative) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| card | model | pool (experts) | " + " | ".join(f"{COLUMN[p]} | + spec." for p in SYSTEMS)
+          + " | spac ÷ best llama.cpp | spac + spec. ÷ best llama.cpp + spec. | validation error (AR / spec.) |")
+    print("|---|---|---|" + "---|---|" * len(SYSTEMS) + "---|---|---|")
+    out = []
     for card in cards:
         for model, quant in models.items():
             config = SimConfig(hardware=card, model=model, draft=DRAFT, quant=quant, draft_quant=DRAFT_QUANT, snapshots=8)
             if not capacity(config):
                 print(f"| {card_name(card)} | {profiles.model(model).name} {quant} | no room: the non-expert weights "
-                      f"and the KV cache leave no expert slot | | | | | | | | | |")
+                      f"and the KV cache leave no expert slot |" + " |" * (2 * len(SYSTEMS) + 3))
                 continue
             cells = {(p, s): best_row(card, model, quant, s, p, args.steps, args.seed)
                      for p in SYSTEMS for s in (False, True)}
             ar, spec = cells[("static", False)], cells[("static", True)]
             pool = f"{ar['share']:.0%} / {spec['share']:.0%} with the draft"
-            tok = lambda p, s: f"{cells[(p, s)]['tok_s']:.1f}" + (f" (γ {cells[(p, s)]['gamma']})" if s else "")  # noqa: E731
-            best = cells[("spac/host", True)]["tok_s"]
+
+            def tok(p: str, s: bool) -> str:
+                c = cells[(p, s)]
+                extra = [f"γ {c['gamma']}"] if s else []
+                extra += [f"share {c['cpu_share']:g}"] if "cpu_share" in c else []
+                return f"{c['tok_s']:.1f}" + (f" ({', '.join(extra)})" if extra else "")
+
+            best_llama = {s: max(cells[(p, s)]["tok_s"] for p, name in SYSTEMS.items() if name and name.startswith("llama"))
+                          for s in (False, True)}
             print(f"| {card_name(card)} | {profiles.model(model).name} {quant} | {pool} | "
                   + " | ".join(tok(p, s) for p in SYSTEMS for s in (False, True))
-                  + f" | {best / cells[('llama-moe-cache', True)]['tok_s']:.2f} | {best / spec['tok_s']:.2f} | {note} |")
+                  + f" | {cells[('spac', False)]['tok_s'] / best_llama[False]:.2f}"
+                  + f" | {cells[('spac', True)]['tok_s'] / best_llama[True]:.2f} | {note} |")
+            n_all = profiles.model(model).n_layer * profiles.model(model).n_expert
+            out.append({"card": card, "model": model, "fits": ar["slots"] >= n_all,
+                        "tok_s": {name: {"ar": cells[(p, False)]["tok_s"], "sd": cells[(p, True)]["tok_s"]}
+                                  for p, name in SYSTEMS.items() if name}})
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+COLUMN = {"static": "llama.cpp --n-cpu-moe", "llama-moe-cache-lru": "llama.cpp cache, plain LRU",
+          "llama-moe-cache": "llama.cpp cache (ClassLRU)", "llama-moe-cache+cpu-share": "llama.cpp cache + CPU share",
+          "spac/host": "spac, host misses (the engine today)", "spac": "spac, miss rule"}
 
 
 if __name__ == "__main__":

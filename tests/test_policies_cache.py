@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -60,8 +62,8 @@ def lfu_rank(x, last_use, uses):
     ("lru-global", False, lru_rank, 10),
     # llama.cpp's cache: the same global LRU (hits touched first, misses in id order take the least
     # recently used slots), every routed expert on the device
-    ("llama-moe-cache", False, lru_rank, 10),
-    ("llama-moe-cache", False, lru_rank, 30),
+    ("llama-moe-cache-lru", False, lru_rank, 10),
+    ("llama-moe-cache-lru", False, lru_rank, 30),
     ("lfu", False, lfu_rank, 10),
     ("lfu", False, lfu_rank, 20),
 ])
@@ -96,7 +98,7 @@ def test_llama_moe_cache_reads_back_every_layer_and_uploads_on_the_critical_path
     every pass, exactly so in a pass without a miss (a miss also waits for the layer's uploads)."""
     n_all = trace.n_layer * trace.n_expert
     sim = Simulator(trace, SimConfig(capacity=n_all))
-    cache, plain = sim.run(make_policy("llama-moe-cache")), sim.run(make_policy("lru-global"))
+    cache, plain = sim.run(make_policy("llama-moe-cache-lru")), sim.run(make_policy("lru-global"))
     assert cache.hit_rate == plain.hit_rate and cache.fetch_bytes == plain.fetch_bytes
     sync = sim.costs.sync_s
     extra = cache.step_time - plain.step_time
@@ -104,11 +106,12 @@ def test_llama_moe_cache_reads_back_every_layer_and_uploads_on_the_critical_path
     assert np.median(extra[trace.n_steps // 2:]) == pytest.approx(trace.n_layer * sync, rel=1e-9)  # mostly no miss
 
 
-def test_llama_moe_cache_leaves_larger_passes_to_the_host_and_itself_unchanged():
+@pytest.mark.parametrize("name", ["llama-moe-cache", "llama-moe-cache-lru"])
+def test_llama_moe_cache_leaves_larger_passes_to_the_host_and_itself_unchanged(name):
     """A ubatch of more than 32 tokens runs its layers without the cache: every expert on the
     host, nothing uploaded (as master's prompts, which only read the cache)."""
     big = synthesize_trace(20, SHAPE, gamma=40, acceptance=0.6, draft_fidelity=None, seed=3)
-    r = Simulator(big, SimConfig(capacity=20)).run(make_policy("llama-moe-cache"))
+    r = Simulator(big, SimConfig(capacity=20)).run(make_policy(name))
     assert r.cpu_share == 1.0 and r.hit_rate == 0.0 and r.fetch_bytes == 0
 
 
@@ -119,3 +122,78 @@ def test_the_decode_only_lru_caches_one_token_passes_only(gamma, on_device):
     assert r.cpu_share == (0.0 if on_device else 1.0)
     if on_device:  # the per-layer LRU's hit rate, every expert then on the device
         assert r.hit_rate == pytest.approx(brute_force(t, 24, True, lru_rank), abs=1e-12)
+
+
+def class_lru(trace, capacity, half_life=128.0, n_class=8):
+    """llama.cpp master's ClassLRU written out (docs/simulator.md): per (layer, expert) a use count
+    decayed by its age in tokens with a half-life of 128 and the clock of its last use; class =
+    min(floor(log2(count)), 7); a miss takes a free slot, else the cached expert not chosen by its
+    layer with the largest age / 2^class (ties: lowest layer, then id). The clock advances by each
+    pass's tokens; the layers of a pass are ordered within it. Token-weighted hit rate."""
+    cache, crf, klass, last = set(), {}, {}, {}
+    tokens = hits = total = 0
+    for step in trace.steps():
+        tokens += step.selected.shape[0]
+        for layer in range(trace.n_layer):
+            now = tokens + layer / trace.n_layer
+            ids, counts = np.unique(step.selected[:, layer], return_counts=True)
+            for e, n in zip(ids.tolist(), counts.tolist()):
+                key = (layer, e)
+                total += n
+                hits += n if key in cache else 0
+                crf[key] = crf.get(key, 0.0) * np.exp2(-(now - last.get(key, now)) / half_life) + n
+                klass[key] = min(math.floor(np.log2(crf[key])), n_class - 1)
+                last[key] = now
+            chosen = {(layer, e) for e in ids.tolist()}
+            for e in [e for e in ids.tolist() if (layer, e) not in cache]:
+                if len(cache) >= capacity:
+                    score = {x: (now - last[x]) / np.exp2(klass[x]) for x in cache - chosen}
+                    best = max(score.values())
+                    cache.remove(min(x for x, v in score.items() if v == best))
+                cache.add((layer, e))
+    return hits / total
+
+
+@pytest.mark.parametrize("capacity", [8, 14, 30])
+def test_the_class_lru_equals_master_rule_written_out(trace, capacity):
+    r = Simulator(trace, SimConfig(capacity=capacity)).run(make_policy("llama-moe-cache"))
+    assert r.hit_rate == pytest.approx(class_lru(trace, capacity), abs=1e-12)
+    assert r.cpu_share == 0
+
+
+def test_the_class_lru_keeps_a_frequent_expert_that_plain_lru_evicts():
+    """An expert used by every token of a run survives a burst of one-off experts that would push
+    it out of a plain LRU: its class (count ~ tokens since it started, up to 7) outweighs their age."""
+    from orchestrator.policies.base import PolicyContext
+
+    ctx = PolicyContext(n_layer=1, n_expert=8, top_k=1, capacity=2)
+    cache = make_policy("llama-moe-cache")
+    cache.reset(ctx)
+    for _ in range(40):  # expert 0, one token per pass
+        cache.on_layer(0, np.eye(8)[0], np.eye(8)[0])
+    for e in (1, 2):  # two one-off experts, newer than expert 0
+        cache.on_layer(0, np.eye(8)[e], np.eye(8)[e])
+    allocated = np.zeros((1, 8), dtype=bool)
+    allocated[0, :3] = True
+    protected = np.zeros_like(allocated)
+    protected[0, 2] = True  # the miss being served
+    assert cache.victims(allocated, protected, 0, 1).tolist() == [[0, 1]]
+
+
+def test_a_cpu_share_computes_that_share_of_a_full_caches_misses_on_the_host(trace):
+    """--moe-cache-cpu-share: until the cache is full every miss is uploaded; then round(share x
+    misses) of each layer's misses run on the host, the lowest class first, and are not cached."""
+    n_all = trace.n_layer * trace.n_expert
+    sim = Simulator(trace, SimConfig(capacity=n_all // 2))
+    none, half, every = (sim.run(make_policy("llama-moe-cache", cpu_share=s)) for s in (0.0, 0.5, 1.0))
+    assert none.cpu_share == 0 and 0 < half.cpu_share < every.cpu_share
+    # the fill (the layer that fills it uploads all its misses), then nothing more
+    slots = n_all // 2
+    assert slots * sim.costs.expert_bytes <= every.fetch_bytes < (slots + trace.n_expert) * sim.costs.expert_bytes
+    assert half.fetch_bytes < none.fetch_bytes
+    policy = make_policy("llama-moe-cache", cpu_share=0.5)
+    policy.reset(sim.context(policy))
+    policy.klass[0, :4] = [3, 0, 0, 2]
+    assert policy.host_misses(0, np.arange(4), np.array([1, 5, 2, 1])).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="cpu_share"):
+        make_policy("llama-moe-cache", cpu_share=1.5)

@@ -149,13 +149,13 @@ def test_a_larger_ubatch_keeps_the_split(models):
 
 
 def test_a_session_with_llama_cpps_cache_gives_target_only_tokens(models, tmp_path):
-    """`Session(cfg, policy=LlamaMoeCache())`: the live ablation, speculative (the Q4_K_M target
+    """`Session(cfg, policy=LlamaMoeCacheLRU())`: the live ablation, speculative (the Q4_K_M target
     drafting for itself through its pool) and not, gives target-only's greedy tokens, with every
     routed expert of its passes on the device and no plan sent."""
     from orchestrator.decoding.sampling import SamplingParams
     from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
     from orchestrator.runtime.pool import Budget, PoolDevice
-    from orchestrator.policies.cache import LlamaMoeCache
+    from orchestrator.policies.cache import LlamaMoeCacheLRU
 
     greedy = SamplingParams(temperature=0)
     base = dict(model=models["q4_k_m"], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
@@ -164,7 +164,7 @@ def test_a_session_with_llama_cpps_cache_gives_target_only_tokens(models, tmp_pa
         want = plain.complete(prompt, 24, sampling=greedy).tokens
     for draft in (None, POOL_DRAFT):
         cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
-        with Session(cfg, policy=LlamaMoeCache()) as s:
+        with Session(cfg, policy=LlamaMoeCacheLRU()) as s:
             assert s.complete(prompt, 24, sampling=greedy).tokens == want
             st = s.engine.stats()
             assert st["n_staged"] > 0 and st["n_copies"] == 0

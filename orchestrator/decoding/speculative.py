@@ -284,9 +284,12 @@ class Session:
     def _open_engine(self, cfg: SessionConfig) -> None:
         if self.policy is None:
             self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
-        # llama.cpp's own expert cache (policies.cache.LlamaMoeCache) runs in the engine itself
+        # llama.cpp's own expert cache (policies.cache.LlamaMoeCacheLRU) runs in the engine itself
         # (patch 0023): each layer uploads its misses into LRU slots; the session sends no plans
         self._native_cache = bool(self.policy.readback_max_tokens) and not getattr(self.policy, "per_layer", False)
+        if self._native_cache and self.policy.name != "llama-moe-cache-lru":
+            raise ValueError(f"policy {self.policy.name}: the engine runs llama.cpp's cache with its plain LRU "
+                             "and no CPU share only (llama-moe-cache-lru); the other rules are the simulator's")
         try:
             engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill.resolve(cfg.pool[0]),
                                upload_on_miss_tokens=self.policy.readback_max_tokens if self._native_cache else 0,

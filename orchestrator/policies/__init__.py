@@ -24,8 +24,11 @@ on miss, which is what a llama.cpp user gets (upstream computes misses on the CP
     static          layer order   host    -       layer     llama.cpp --n-cpu-moe (the paper's llama.cpp-w/SD)
     lru             lru/layer     fetch   pass    resident  Mixtral-offloading
     lru-global      lru           fetch   pass    resident  one LRU pool over all layers
-    llama-moe-cache lru           fetch*  -       resident  llama.cpp master's GPU expert cache (* after
-                                                            reading the router back; passes ≤ 32 tokens)
+    llama-moe-cache class-lru     fetch*  -       resident  llama.cpp master's GPU expert cache (* after
+                                                            reading the router back; passes ≤ 32 tokens;
+                                                            cpu_share: a share of a full cache's misses
+                                                            on the host, --moe-cache-cpu-share)
+    llama-moe-cache-lru lru       fetch*  -       resident  the same cache with its first, plain LRU
     lru-decode-only lru/layer     fetch*  -       resident  the per-layer LRU of earlier llama.cpp PRs
                                                             (* one-token passes only)
     lfu             lfu           fetch   pass    resident  MoE-Infinity
@@ -45,7 +48,7 @@ from __future__ import annotations
 from typing import Callable
 
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
-from orchestrator.policies.cache import LFU, LRU, DecodeOnlyLRU, LeastStale, LlamaMoeCache, ScoreBased
+from orchestrator.policies.cache import LFU, LRU, DecodeOnlyLRU, LeastStale, LlamaMoeCache, LlamaMoeCacheLRU, ScoreBased
 from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.hybrimoe import HybriMoE
 from orchestrator.policies.lookahead import MoESpeQLookahead
@@ -78,6 +81,7 @@ SYSTEMS: dict[str, Callable[..., Policy]] = {
     "lru": LRU,
     "lru-global": _named("lru-global", LRU, per_layer=False),
     "llama-moe-cache": LlamaMoeCache,
+    "llama-moe-cache-lru": LlamaMoeCacheLRU,
     "lru-decode-only": DecodeOnlyLRU,
     "lfu": LFU,
     "least-stale": LeastStale,
@@ -107,7 +111,8 @@ COMBINATIONS: dict[str, tuple[str, str, str, str]] = {
     "static": ("layer order", "host", "-", "layer"),
     "lru": ("lru/layer", "fetch", "pass", "resident"),
     "lru-global": ("lru", "fetch", "pass", "resident"),
-    "llama-moe-cache": ("lru, after a readback, passes ≤ 32 tokens", "fetch", "-", "resident"),
+    "llama-moe-cache": ("class-lru, after a readback, passes ≤ 32 tokens", "fetch", "-", "resident"),
+    "llama-moe-cache-lru": ("lru, after a readback, passes ≤ 32 tokens", "fetch", "-", "resident"),
     "lru-decode-only": ("lru/layer, after a readback, 1-token passes", "fetch", "-", "resident"),
     "lfu": ("lfu", "fetch", "pass", "resident"),
     "least-stale": ("least-stale", "fetch", "pass", "resident"),

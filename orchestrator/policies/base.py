@@ -107,6 +107,7 @@ class Policy:
     # synchronize), then computes all the layer's experts on the device in one op, for passes of at
     # most this many tokens (more: the layer runs on the host, the cache untouched); None: no readback
     readback_max_tokens: int | None = None
+    cpu_share = 0.0  # such a cache, once full: the share of a layer's misses computed on the host
 
     def reset(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

@@ -6,9 +6,12 @@
   "least visit count" eviction).
 - `ScoreBased`: lowest accumulated routing weight (Zhu et al., as benchmarked by SpecMD).
 - `LlamaMoeCache`: llama.cpp's own GPU expert cache (`src/llama-moe-cache.cpp` on master): one
-  LRU over all the layers of a device, filled on demand after the router's choice is read back,
-  every routed expert then on the device, passes of at most 32 tokens. `DecodeOnlyLRU`: the
-  per-layer, decode-only LRU of the open pull requests that preceded it.
+  cache over all the layers of a device, filled on demand after the router's choice is read back,
+  every routed expert then on the device (or, with `cpu_share`, a share of the misses on the
+  host once it is full), passes of at most 32 tokens; its victims by frequency class and age
+  (ClassLRU, release b12170). `LlamaMoeCacheLRU`: the plain LRU it had before (4b060f27), which
+  spac's engine runs live as its cache ablation. `DecodeOnlyLRU`: the per-layer, decode-only LRU
+  of the open pull requests that preceded both.
 - `LeastStale`: SpecMD's policy (SpecMD §4.2): experts used in the current pass are
   "current", the others "stale"; stale experts go first, current ones only when nothing else
   is left; inside each group first-in-first-out by layer position.
@@ -90,19 +93,92 @@ class LRU(RankingPolicy):
         self.rank[layer, counts > 0] = self.clock
 
 
-class LlamaMoeCache(LRU):
-    """llama.cpp's GPU expert cache as master ships it (read from `src/llama-moe-cache.cpp`; the
-    peer spac is measured against): the layers of a device share one LRU over all its slots. For a
-    ubatch of at most 32 tokens whose distinct experts fit the slots, each layer reads the
-    router's choice back to the host (a device synchronize), touches its hits, gives each miss
+class LlamaMoeCacheLRU(LRU):
+    """llama.cpp's GPU expert cache as it first shipped (src/llama-moe-cache.cpp at 4b060f27; the
+    live ablation of spac's engine, patch 0023): the layers of a device share one LRU over all its
+    slots. For a ubatch of at most 32 tokens whose distinct experts fit the slots, each layer reads
+    the router's choice back to the host (a device synchronize), touches its hits, gives each miss
     (ascending ids) the least recently used slot, uploads the misses and then runs every routed
     expert on the device (one op, after the uploads: a miss costs an upload on the critical
     path, never host compute). A larger ubatch runs the layer on the host and leaves the cache as
     it is (prompts: `sim prefill`). Nothing is copied ahead of a pass."""
 
-    name = "llama-moe-cache"
+    name = "llama-moe-cache-lru"
     per_layer = False
     readback_max_tokens = 32
+
+
+class LlamaMoeCache(LlamaMoeCacheLRU):
+    """llama.cpp master's cache since release b12170 (PR 31233, "ClassLRU"), as its source's header
+    states it: each expert keeps a use count that decays with a half-life of 128 tokens (`crf`,
+    kept across evictions) and the clock of its last use; its class is floor(log2(crf)), at most
+    7. The clock advances by each ubatch's token count. A miss takes a free slot, else a victim:
+    of the slots not chosen by the layer being served, the one with the largest age / 2^class
+    (age: clock - last use), which is the least recently used slot of some class list, as master
+    picks it. Read, filled and computed as `LlamaMoeCacheLRU`.
+
+    `cpu_share` (`--moe-cache-cpu-share`, default 0): once the cache is full, that share of each
+    layer's misses is computed on the host from the host experts instead of uploaded. Which misses
+    was not found in what could be read (docs/simulator.md): here the ones of the lowest class
+    (then the fewest tokens), rounded to the nearest count, an inference."""
+
+    name = "llama-moe-cache"
+    N_CLASS = 8
+    HALF_LIFE = 128.0
+
+    def __init__(self, miss: str = "fetch", per_layer: bool | None = None, cpu_share: float = 0.0) -> None:
+        super().__init__(miss, per_layer)
+        if not 0.0 <= cpu_share <= 1.0:
+            raise ValueError(f"cpu_share must be in [0, 1], got {cpu_share}")
+        self.cpu_share = cpu_share
+
+    def reset(self, ctx: PolicyContext) -> None:
+        super().reset(ctx)
+        self.crf = np.zeros((ctx.n_layer, ctx.n_expert))
+        self.klass = np.zeros((ctx.n_layer, ctx.n_expert))
+        self.last_use = np.zeros((ctx.n_layer, ctx.n_expert))
+        self.tokens = 0.0  # the clock: tokens of the ubatches seen
+        self.last_layer = ctx.n_layer
+
+    def _now(self, layer: int) -> float:
+        # the layers of one ubatch in order, within its token count (recency between layers)
+        return self.tokens + layer / self.ctx.n_layer
+
+    def on_layer(self, layer: int, counts: np.ndarray, weights: np.ndarray) -> None:
+        if layer <= self.last_layer:  # a new ubatch: the clock advances by its tokens
+            self.tokens += float(counts.sum()) / self.ctx.top_k
+        self.last_layer = layer
+        used = counts > 0
+        now = self._now(layer)
+        age = now - self.last_use[layer, used]
+        self.crf[layer, used] = self.crf[layer, used] * np.exp2(-age / self.HALF_LIFE) + counts[used]
+        self.klass[layer, used] = np.minimum(np.floor(np.log2(self.crf[layer, used])), self.N_CLASS - 1)
+        self.last_use[layer, used] = now
+        self.rank[layer, used] = now
+
+    def key(self) -> np.ndarray:
+        """Higher is kept longer: minus age / 2^class (-inf: never used)."""
+        return self._key(self._now(self.ctx.n_layer))
+
+    def _key(self, now: float) -> np.ndarray:
+        return np.where(np.isfinite(self.rank), -(now - self.last_use) / np.exp2(self.klass), -np.inf)
+
+    def victims(self, allocated: np.ndarray, protected: np.ndarray, layer: int, n: int) -> np.ndarray:
+        """The largest age / 2^class first, at the clock of the layer being served, whose own
+        chosen experts (used at that clock) are never victims."""
+        scope = self._victim_scope(allocated, protected, layer)
+        now = self._now(layer)
+        scope[layer] &= self.last_use[layer] < now
+        return smallest_rows(self._key(now), scope, n)
+
+    def host_misses(self, layer: int, misses: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The misses of a full cache computed on the host: round(cpu_share · misses) of them, the
+        lowest class first, then the fewest tokens, then the lower id."""
+        k = int(round(self.cpu_share * len(misses)))
+        if not k:
+            return misses[:0]
+        order = np.lexsort((misses, counts[misses], self.klass[layer, misses]))
+        return np.sort(misses[order[:k]])
 
 
 class DecodeOnlyLRU(LRU):

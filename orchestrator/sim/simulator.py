@@ -360,11 +360,16 @@ class Simulator:
             end_device = t + device
             if policy.readback_max_tokens is not None and cached:
                 # llama-moe-cache: the router's choice read back (a device synchronize, every cached
-                # layer), the misses uploaded, then one op computes every routed expert on the device
+                # layer), the misses uploaded, then one op computes every routed expert on the device;
+                # with a CPU share, once the cache is full, that share of the misses on the host
                 ready = t + c.sync_s
-                arrived = _InPassFetcher(self, policy, pool, layer, miss, t, evicted).upload(ready)
-                end_device = max(ready, arrived) + device + float(c.gpu_expert_s(n[miss]).sum())
                 host_experts = np.zeros(0, dtype=np.int64)
+                if policy.cpu_share and pool.n_allocated >= pool.capacity:
+                    host_experts = policy.host_misses(layer, np.flatnonzero(miss), n)
+                upload = miss.copy()
+                upload[host_experts] = False
+                arrived = _InPassFetcher(self, policy, pool, layer, upload, t, evicted).upload(ready)
+                end_device = max(ready, arrived) + device + float(c.gpu_expert_s(n[upload]).sum())
             elif policy.miss != "cpu" and cached and miss.any():
                 fetcher = _InPassFetcher(self, policy, pool, layer, miss, t, evicted)
                 if policy.miss == "fetch":
