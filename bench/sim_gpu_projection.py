@@ -24,8 +24,8 @@ for its draft's cost, as it does for gpt-oss (neither shares that tokenizer).
   (a device synchronize, the profile's sync time), uploading its misses on the critical path and
   computing every routed expert on the device. It starts empty, as at load (a prompt leaves it as
   it is), and is measured in the same steady-state window. Also with `--moe-cache-cpu-share` at
-  the best of master's tuning script's shares for each row (0.5-0.98: that share of a full
-  cache's misses on the CPU), and with its first, plain LRU (`llama-moe-cache-lru`, the live
+  the best of master's tuning script's shares for each row (0 and 0.5-0.98, at the cache's own
+  best γ: that share of a full cache's misses on the CPU), and with its first, plain LRU (`llama-moe-cache-lru`, the live
   ablation of spac's engine).
 - spac: the default policy with host compute on miss (`spac/host`, what the engine runs today),
   and with the miss rule of issue 51 (`spac`: a miss uploaded or computed on the host, whichever
@@ -43,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,9 +90,11 @@ def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, 
     """The row at its best γ (as the governor picks γ live): γ = 0, or the best of 1, 2, 4, 8; the
     cache with a CPU share also at its best share (as a user tunes it)."""
     gammas = GAMMAS if speculative else (0,)
-    if policy == "llama-moe-cache+cpu-share":
-        return max((row(card, model, quant, g, "llama-moe-cache", steps, seed, cpu_share=share)
-                    for g in gammas for share in CPU_SHARES), key=lambda r: r["tok_s"])
+    if policy == "llama-moe-cache+cpu-share":  # the shares tried at the cache's own best γ (share 0)
+        best = best_row(card, model, quant, speculative, "llama-moe-cache", steps, seed)
+        tuned = (row(card, model, quant, best["gamma"], "llama-moe-cache", steps, seed, cpu_share=share)
+                 for share in CPU_SHARES)
+        return max([{**best, "cpu_share": 0.0}, *tuned], key=lambda r: r["tok_s"])
     return max((row(card, model, quant, g, policy, steps, seed) for g in gammas), key=lambda r: r["tok_s"])
 
 
@@ -126,6 +130,7 @@ def main() -> None:
                     "Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
     ap.add_argument("--model", action="append", help="only this model profile's rows (repeatable)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON to this file")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     args = ap.parse_args()
     cards, models = (MULTI_CARDS, MULTI_MODELS) if args.multi_card else (CARDS, MODELS)
     if args.model:
@@ -145,6 +150,8 @@ def main() -> None:
           + " | spac ÷ best llama.cpp | spac + spec. ÷ best llama.cpp + spec. | validation error (AR / spec.) |")
     print("|---|---|---|" + "---|---|" * len(SYSTEMS) + "---|---|---|")
     out = []
+    keys = [(p, s) for p in SYSTEMS for s in (False, True)]
+    workers = multiprocessing.Pool(args.jobs)  # the cells of a row in parallel (a row takes minutes)
     for card in cards:
         for model, quant in models.items():
             config = SimConfig(hardware=card, model=model, draft=DRAFT, quant=quant, draft_quant=DRAFT_QUANT, snapshots=8)
@@ -152,8 +159,8 @@ def main() -> None:
                 print(f"| {card_name(card)} | {profiles.model(model).name} {quant} | no room: the non-expert weights "
                       f"and the KV cache leave no expert slot |" + " |" * (2 * len(SYSTEMS) + 3))
                 continue
-            cells = {(p, s): best_row(card, model, quant, s, p, args.steps, args.seed)
-                     for p in SYSTEMS for s in (False, True)}
+            cells = dict(zip(keys, workers.starmap(best_row, [(card, model, quant, s, p, args.steps, args.seed)
+                                                          for p, s in keys])))
             ar, spec = cells[("static", False)], cells[("static", True)]
             pool = f"{ar['share']:.0%} / {spec['share']:.0%} with the draft"
 

@@ -139,6 +139,7 @@ class LlamaMoeCache(LlamaMoeCacheLRU):
         self.last_use = np.zeros((ctx.n_layer, ctx.n_expert))
         self.tokens = 0.0  # the clock: tokens of the ubatches seen
         self.last_layer = ctx.n_layer
+        self.layer_key = self._key(0.0)
 
     def _now(self, layer: int) -> float:
         # the layers of one ubatch in order, within its token count (recency between layers)
@@ -155,6 +156,10 @@ class LlamaMoeCache(LlamaMoeCacheLRU):
         self.klass[layer, used] = np.minimum(np.floor(np.log2(self.crf[layer, used])), self.N_CLASS - 1)
         self.last_use[layer, used] = now
         self.rank[layer, used] = now
+        # the victims' order while this layer is served (its misses are uploaded next): computed
+        # once, its own chosen experts never victims
+        self.layer_key = self._key(now)
+        self.layer_key[layer, used] = np.inf
 
     def key(self) -> np.ndarray:
         """Higher is kept longer: minus age / 2^class (-inf: never used)."""
@@ -167,9 +172,14 @@ class LlamaMoeCache(LlamaMoeCacheLRU):
         """The largest age / 2^class first, at the clock of the layer being served, whose own
         chosen experts (used at that clock) are never victims."""
         scope = self._victim_scope(allocated, protected, layer)
-        now = self._now(layer)
-        scope[layer] &= self.last_use[layer] < now
-        return smallest_rows(self._key(now), scope, n)
+        if layer == self.last_layer:
+            key = self.layer_key
+        else:
+            now = self._now(layer)
+            key = self._key(now)
+            key[layer, self.last_use[layer] >= now] = np.inf
+        scope &= np.isfinite(key) | (key < 0)  # never a chosen one (+inf); -inf, never used, cannot be allocated
+        return smallest_rows(key, scope, n)
 
     def host_misses(self, layer: int, misses: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """The misses of a full cache computed on the host: round(cpu_share · misses) of them, the
