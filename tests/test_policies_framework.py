@@ -191,3 +191,58 @@ def test_each_device_paces_its_own_link():
         plan = policy.plan(step, resident, fb)
         layers = plan.prefetch[:, 0]
         assert (layers < 2).sum() == 2 and (layers >= 2).sum() == n_rpc, (t_io, plan.prefetch)
+
+
+def _one_layer_trace(experts):
+    """One MoE layer, one token a pass (no draft), top-1: pass i uses experts[i]."""
+    from orchestrator.sim.trace import TraceWriter
+
+    w = TraceWriter("unused.npz", n_layer=1, n_expert=max(experts) + 1, top_k=1)
+    for e in experts:
+        w.append(StepRouting(selected=np.array([[[e]]]), n_drafted=0, n_accepted=0))
+    return w.to_trace()
+
+
+def _reuse_run(policy, experts, copy_ms):
+    """Built costs: a one-token expert takes 10 ms on the host, 1 ms on the device; a copy copy_ms."""
+    from dataclasses import replace
+
+    from orchestrator.sim.simulator import SimConfig, Simulator
+    from tests.test_sim_costs import COSTS
+
+    costs = replace(COSTS, pcie_bw=COSTS.expert_bytes / (copy_ms * 1e-3), draft_token_s=0.0)
+    return Simulator(_one_layer_trace(experts), SimConfig(capacity=1), costs=costs).run(make_policy(policy))
+
+
+def test_the_reuse_rule_uploads_on_a_fast_link_and_computes_on_the_host_over_a_slow_one():
+    # a link that lands the expert before the host would finish it: uploaded at once, one-off or not
+    fast = _reuse_run("spac-reuse", list(range(20)), copy_ms=2)
+    assert fast.cpu_share == 0 and fast.fetch_share == 1
+    # a link far slower than the host (100 ms against 10): even an expert every token uses stays on
+    # the host for the 32 tokens of credit it could earn (32 x 9 ms < 100 ms + 1 ms)
+    slow = _reuse_run("spac-reuse", [0] * 60, copy_ms=100)
+    assert slow.fetch_bytes == 0 and slow.cpu_share == 1
+
+
+def test_the_reuse_rule_admits_what_is_reused_and_not_a_one_token_expert():
+    """A copy (15 ms + 1 on the device) slower than the host (10 ms) for this pass alone: HybriMoE's
+    greedy never uploads; the reuse rule uploads an expert once its decayed use count says its
+    later uses repay the copy, and never a one-token expert no later pass uses."""
+    reused = [0] * 60
+    assert _reuse_run("hybrimoe", reused, copy_ms=15).fetch_bytes == 0
+    r = _reuse_run("spac-reuse", reused, copy_ms=15)
+    assert r.fetch_bytes == 1000 and r.hit_rate > 0.5  # uploaded once, then resident
+    one_off = _reuse_run("spac-reuse", list(range(40)), copy_ms=15)
+    assert one_off.fetch_bytes == 0 and one_off.cpu_share == 1
+
+
+def test_the_reuse_rule_waits_for_the_router_on_the_device():
+    """Decided in a gate after the router: the device half waits for the router's choice on the
+    host (one synchronize) before it computes, where greedy's starts at once."""
+    from orchestrator.policies.cache import ReuseCredited
+
+    policy = ReuseCredited()
+    assert policy.gate_readback and policy.readback_max_tokens is None and policy.miss == "greedy"
+    a = _reuse_run("spac-reuse", [0, 0], copy_ms=2)
+    b = _reuse_run("hybrimoe", [0, 0], copy_ms=2)
+    assert a.step_time[1] == pytest.approx(b.step_time[1] + 0.25e-3)  # both hit in pass 1

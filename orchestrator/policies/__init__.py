@@ -39,6 +39,8 @@ on miss, which is what a llama.cpp user gets (upstream computes misses on the CP
     moe-speq        lookahead     fetch   draft   resident  MoE-SpeQ §3.3
     moe-spac-paper  utility       host    pass    tau       MoE-SpAc §3.2, Algorithm 1 as written
     spac            spac          greedy  draft   resident  spac's default (`default`)
+    spac-reuse      class-lru     greedy+ -       resident  spac's miss rule of issue 51 (+ the host time
+                                                            an upload's reuse saves; decided after the router)
     belady          belady        host    pass    resident  future knowledge (not the limit: `sim.limit`)
     <ranking>/host  the zoo: each ranking above with host compute on miss
 """
@@ -48,7 +50,16 @@ from __future__ import annotations
 from typing import Callable
 
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
-from orchestrator.policies.cache import LFU, LRU, DecodeOnlyLRU, LeastStale, LlamaMoeCache, LlamaMoeCacheLRU, ScoreBased
+from orchestrator.policies.cache import (
+    LFU,
+    LRU,
+    DecodeOnlyLRU,
+    LeastStale,
+    LlamaMoeCache,
+    LlamaMoeCacheLRU,
+    ReuseCredited,
+    ScoreBased,
+)
 from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.hybrimoe import HybriMoE
 from orchestrator.policies.lookahead import MoESpeQLookahead
@@ -91,6 +102,7 @@ SYSTEMS: dict[str, Callable[..., Policy]] = {
     "moe-speq": MoESpeQLookahead,
     "moe-spac-paper": _moe_spac,
     DEFAULT: LookaheadUtility,
+    "spac-reuse": ReuseCredited,
     "belady": Oracle,
 }
 
@@ -122,6 +134,7 @@ COMBINATIONS: dict[str, tuple[str, str, str, str]] = {
     "moe-speq": ("lookahead", "fetch", "draft", "resident"),
     "moe-spac-paper": ("utility", "host", "pass", "tau"),
     DEFAULT: ("spac", "greedy", "draft", "resident"),
+    "spac-reuse": ("class-lru, an upload credited with its reuse, decided after the router", "greedy", "-", "resident"),
     "belady": ("belady", "host", "pass", "resident"),
     # the zoo: each ranking (and its prefetch window) with host compute on miss, whole experts resident
     **{name: (ranking, "host", window, "resident") for name, ranking, window in (

@@ -108,6 +108,15 @@ class Policy:
     # most this many tokens (more: the layer runs on the host, the cache untouched); None: no readback
     readback_max_tokens: int | None = None
     cpu_share = 0.0  # such a cache, once full: the share of a layer's misses computed on the host
+    # miss "greedy" decided in a gate after the layer's router (spac's miss rule, issue 51): the
+    # device half waits for the router's choice on the host (a synchronize) and the gate's uploads
+    gate_readback = False
+
+    def upload_credit(self, layer: int, experts: np.ndarray, costs) -> np.ndarray:
+        """Seconds of host time that uploading each of `experts` (misses of `layer`) is expected to
+        save in its later uses: the "greedy" miss rule uploads an expert when its copy and device
+        compute finish no later than the host would plus this credit. 0: this pass only (HybriMoE)."""
+        return np.zeros(len(experts))
 
     def reset(self, ctx: PolicyContext) -> None:
         self.ctx = ctx

@@ -247,3 +247,29 @@ class LeastStale(RankingPolicy):
         if routing is not None:
             self.pass_index += 1  # the pass is over: everything it used becomes stale
         return super().plan(routing, resident, feedback)
+
+
+class ReuseCredited(LlamaMoeCache):
+    """spac's miss rule (issue 51), simulated: every routed expert the pool lacks is uploaded or
+    computed on the host, decided in a gate after the layer's router. The upload is chosen when
+    the copy and the device's compute finish no later than the host would, plus the host time
+    the expert's later uses are expected to save once it is resident: its reuse rate (the
+    decayed use count of llama.cpp's ClassLRU over its saturation, uses per token) times a
+    horizon in tokens times one token's host-minus-device time. A one-token expert no later
+    pass reuses earns no credit and stays on the host. Victims as the ClassLRU's. The horizon,
+    32 tokens, was the best of 8-512 on the 8 and 12 GB Qwen3-30B-A3B rows of
+    bench/sim_gpu_projection.py (docs/simulator.md)."""
+
+    name = "spac-reuse"
+    miss = "greedy"
+    readback_max_tokens = None
+    gate_readback = True
+    SATURATION = 1.0 / (1.0 - 2.0 ** (-1.0 / LlamaMoeCache.HALF_LIFE))  # the count of an expert every token uses
+
+    def __init__(self, horizon: float = 32.0) -> None:
+        super().__init__(miss="greedy")
+        self.horizon = horizon
+
+    def upload_credit(self, layer: int, experts: np.ndarray, costs) -> np.ndarray:
+        rate = self.crf[layer, experts] / self.SATURATION
+        return rate * self.horizon * max(float(costs.cpu_expert_s(1)) - float(costs.gpu_expert_s(1)), 0.0)

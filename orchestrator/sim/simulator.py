@@ -357,7 +357,8 @@ class Simulator:
             stats["gpu_s"] += device
             stats["gpu_experts"] += int(hit.sum())
             host_experts = np.flatnonzero(miss)
-            end_device = t + device
+            # a gate after the router decides the misses: the device half waits for its choice on the host
+            end_device = t + (c.sync_s if policy.gate_readback else 0.0) + device
             if policy.readback_max_tokens is not None and cached:
                 # llama-moe-cache: the router's choice read back (a device synchronize, every cached
                 # layer), the misses uploaded, then one op computes every routed expert on the device;
@@ -474,10 +475,14 @@ class _InPassFetcher:
 
     def greedy(self, n: np.ndarray, device_free: float):
         """HybriMoE's two-ended greedy: missing experts sorted by token count; the device takes
-        the hottest (after its copy), the host the coldest, whichever would finish first."""
+        the hottest (after its copy), the host the coldest, whichever would finish first. A
+        policy's upload credit (`Policy.upload_credit`) counts for the upload: spac's miss rule."""
         c = self.costs
         order = np.flatnonzero(self.protected[self.layer])
-        order = order[np.argsort(-n[order], kind="stable")]
+        credit = dict(zip(order.tolist(), self.policy.upload_credit(self.layer, order, c).tolist()))
+        # hottest first, an upload's credit counted as the tokens of host time it saves
+        per_token = max(float(c.cpu_expert_s(1)), 1e-12)
+        order = order[np.argsort(-(n[order] + np.array([credit[e] for e in order.tolist()]) / per_token), kind="stable")]
         lo, hi = 0, len(order) - 1
         host_free = self.t
         host = []
@@ -485,7 +490,7 @@ class _InPassFetcher:
             hot, cold = order[lo], order[hi]
             device_done = max(device_free, self.arrival(hot)) + float(c.gpu_expert_s(n[hot]))
             host_done = host_free + float(c.cpu_expert_s(n[cold]))
-            if device_done <= host_done:
+            if device_done <= host_done + credit[int(hot)]:
                 device_free = self.fetch(hot, device_free, n[hot])
                 lo += 1
             else:
