@@ -178,7 +178,7 @@ class LlamaMoeCache(LlamaMoeCacheLRU):
             now = self._now(layer)
             key = self._key(now)
             key[layer, self.last_use[layer] >= now] = np.inf
-        scope &= np.isfinite(key) | (key < 0)  # never a chosen one (+inf); -inf, never used, cannot be allocated
+        scope &= key != np.inf  # never one the layer chose
         return smallest_rows(key, scope, n)
 
     def host_misses(self, layer: int, misses: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -479,10 +479,11 @@ class _InPassFetcher:
         policy's upload credit (`Policy.upload_credit`) counts for the upload: spac's miss rule."""
         c = self.costs
         order = np.flatnonzero(self.protected[self.layer])
-        credit = dict(zip(order.tolist(), self.policy.upload_credit(self.layer, order, c).tolist()))
+        credit = self.policy.upload_credit(self.layer, order, c)
         # hottest first, an upload's credit counted as the tokens of host time it saves
         per_token = max(float(c.cpu_expert_s(1)), 1e-12)
-        order = order[np.argsort(-(n[order] + np.array([credit[e] for e in order.tolist()]) / per_token), kind="stable")]
+        rank = np.argsort(-(n[order] + credit / per_token), kind="stable")
+        order, credit = order[rank], credit[rank]
         lo, hi = 0, len(order) - 1
         host_free = self.t
         host = []
@@ -490,7 +491,7 @@ class _InPassFetcher:
             hot, cold = order[lo], order[hi]
             device_done = max(device_free, self.arrival(hot)) + float(c.gpu_expert_s(n[hot]))
             host_done = host_free + float(c.cpu_expert_s(n[cold]))
-            if device_done <= host_done + credit[int(hot)]:
+            if device_done <= host_done + credit[lo]:
                 device_free = self.fetch(hot, device_free, n[hot])
                 lo += 1
             else:
