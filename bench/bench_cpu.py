@@ -19,9 +19,16 @@ requantized by stock `llama-quantize` (`--allow-requantize`) to Q4_K_M (which pu
 Q6_K on half of the layers' ffn_down_exps, as real Q4_K_M files do), Q8_0 and IQ4_NL; cached
 under --dir.
 
+First, what bounds a decode: the machine's memory read rate at these threads (every thread
+streaming its share of a buffer larger than the last-level cache, `spac_host_read_rate`), and
+per file the read rate of one token's matmuls (the first layer's experts, its attention's Q
+weight and the output head) in each CPU buffer type that takes them, timed as `--repack auto`
+times them: the weights rotated through copies twice the last-level cache, so that they come
+from memory as in a real decode.
+
 Every row runs in its own process, one at a time (llama.cpp's threads spin), rows alternating
 per repeat so that the machine's load hits each alike; the CPU's flags and the CPU time other
-processes used during the run are printed.
+processes used during the run are printed. --json writes {"cpu", "decode_rates", "rows"}.
 
     .venv/bin/python bench/bench_cpu.py                        # 2 shapes x 4 types, 4 layers
     .venv/bin/python bench/bench_cpu.py --files a.gguf b.gguf -t 2 --json rows.json
@@ -79,6 +86,44 @@ def make_files(directory: Path, n_layer: int, types: list[str], shapes: list[str
                 tmp.rename(f)
             out.append(f)
     return out
+
+
+# a decode's matmuls whose read rate is printed: the first layer's experts, its attention's Q weight,
+# the output head (each one token, weights read from memory)
+RATE_WEIGHTS = ("blk.0.ffn_up_exps.weight", "blk.0.attn_q.weight", "output.weight")
+
+
+def decode_rates(path: Path, threads: int) -> list[dict]:
+    """Per weight of RATE_WEIGHTS and per CPU buffer type that takes it (in exact mode's choice
+    of kernels, as spac decodes): one token's matmul timed as `--repack auto` times it (cold:
+    the weights rotated through copies larger than the last-level cache), and the bytes it reads
+    per second. In its own process: llama.cpp's libraries loaded, no model."""
+    import gguf
+
+    from orchestrator.decoding.speculative import EXACT_ROWS
+    from orchestrator.runtime import host_layout
+
+    host_layout.set_batch_invariant_rows(EXACT_ROWS)
+    g = host_layout._lib()
+    weights = host_layout.read_weights(path)
+    rows = []
+    for name, ggml_type, ne in weights.tensors:
+        if name not in RATE_WEIGHTS:
+            continue
+        n_in, n_out = ne[0], min(ne[1], host_layout.MAX_BENCH_ROWS)
+        n_expert = min(ne[2], host_layout.MAX_BENCH_EXPERTS) if len(ne) > 2 else 0
+        n_used = min(weights.n_used, n_expert) if n_expert else 1
+        read = g["row_size"](ggml_type, n_in) * n_out * n_used  # one token reads its experts' rows
+        for buft_name, buft in host_layout.cpu_buffer_types().items():
+            op = host_layout.MUL_MAT_ID if n_expert else host_layout.MUL_MAT
+            shape = (n_in, n_out, n_expert) if n_expert else (n_in, n_out)
+            if not host_layout.supports(ggml_type, shape, buft, op, n_used):
+                continue
+            t = host_layout.time_matmul(ggml_type, n_in, n_out, n_expert, n_used, 1, buft, threads)
+            if t is not None:
+                rows.append({"weight": name, "type": gguf.GGMLQuantizationType(ggml_type).name, "buft": buft_name,
+                             "us": t * 1e6, "gb_s": read / t / 1e9})
+    return rows
 
 
 def run_measured(cmd: list[str]) -> tuple[str, int]:
@@ -145,6 +190,26 @@ def spac_row(path: Path, repack: str, threads: int, n_prompt: int, n_gen: int) -
     return {"pp": pp, "tg": tg, "layout": model.layout_report()}
 
 
+def print_decode_rates(files: list[Path], threads: int) -> dict:
+    """The machine's memory read rate at `threads` threads, and each file's decode matmuls' read
+    rates against it (`decode_rates`, one process per file), printed; returned for --json."""
+    from orchestrator.runtime.host_layout import last_level_cache_bytes
+    from orchestrator.runtime.native import host_read_rate
+
+    limit = host_read_rate(threads, max(8 * last_level_cache_bytes(), 512 << 20)) / 1e9
+    print(f"memory read rate, {threads} threads: {limit:.1f} GB/s (the limit of a one-token matmul)")
+    print("| file | weight | type | layout | µs | GB/s | ÷ read rate |\n|---|---|---|---|---|---|---|")
+    out = {"read_rate_gb_s": limit, "matmuls": {}}
+    for f in files:
+        text, _ = run_measured([sys.executable, __file__, "--rates-of", str(f), "-t", str(threads)])
+        out["matmuls"][f.name] = rows = json.loads(text.strip().splitlines()[-1])
+        for r in rows:
+            print(f"| {f.name} | {r['weight']} | {r['type']} | {r['buft']} | {r['us']:.0f} | {r['gb_s']:.1f} | "
+                  f"{r['gb_s'] / limit:.2f} |")
+    print(flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", nargs="*", type=Path, help="GGUF files (default: build the synthetic set)")
@@ -162,13 +227,18 @@ def main() -> None:
     ap.add_argument("--no-ik", action="store_true", help="leave ik_llama.cpp out (no build of it)")
     ap.add_argument("--json", type=Path, help="also write the rows here as a JSON list")
     ap.add_argument("--spac-row", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--rates-of", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.spac_row:
         print(json.dumps(spac_row(args.spac_row, args.spac_repack, args.threads, args.n_prompt, args.n_gen)))
         return
+    if args.rates_of:
+        print(json.dumps(decode_rates(args.rates_of, args.threads)))
+        return
 
     print(f"CPU: {cpu_description()}")
     files = args.files or make_files(args.dir, args.n_layer, args.types.split(","), args.shapes.split(","))
+    rates = print_decode_rates(files, args.threads)
     bench = stock_program("llama-bench")
     peers = {"llama.cpp --repack 0": (bench, ["--repack", "0"]), "llama.cpp --repack 1": (bench, ["--repack", "1"])}
     if not args.no_ik:
@@ -230,7 +300,7 @@ def main() -> None:
     print(f"\nwall {wall:.0f} s; other processes used {max(other, 0.0):.1f} CPU s "
           f"({100 * max(other, 0.0) / (wall * (os.cpu_count() or 1)):.1f}% of the machine)")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        args.json.write_text(json.dumps({"cpu": cpu_description(), "decode_rates": rates, "rows": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # on, AVX-512 and AMX off; its own build dir and stamp) and runs, on it, every test that holds
 # speculative output to target-only's and the batch-invariance tests (scripts/stress_lossless.sh's
 # list). Checks first that the venv loads the variant's libraries, that CPU_EXACT's kernel is the
-# AVX2 one, that llama.cpp's common library the real-files tests compile against is the variant's
+# AVX2 one and gives the default build's bits (tests/exact_digest.py, every type, layout, op and
+# batch), that llama.cpp's common library the real-files tests compile against is the variant's
 # and that no AVX-512 instruction is in libggml-cpu; builds stock llama-simple for AVX2 too (the
 # real-files tests' byte-for-byte peer: build_native.stock_program follows the installed build).
 # Needs scripts/install.sh --test first: the venv reuses .venv's packages and only has its own
@@ -100,6 +101,16 @@ print(f"[avx2] stock llama-simple: {simple} ({time.monotonic() - t0:.0f} s)")
 if not simple.parent.parent.name.startswith("stock-avx2-"):
     fail(f"stock llama-simple {simple} is not the AVX2 build")
 EOF
+
+# the AVX2 kernels give the default build's bits (AVX-512 on a CPU with it): one order of every sum
+"$venv/bin/python" tests/exact_digest.py > "$venv/exact-bits.txt"
+.venv/bin/python tests/exact_digest.py > .venv/exact-bits.txt
+if ! diff -q .venv/exact-bits.txt "$venv/exact-bits.txt" > /dev/null; then
+    diff .venv/exact-bits.txt "$venv/exact-bits.txt" | head -20 >&2
+    echo "[avx2] error: CPU_EXACT's AVX2 outputs differ from the default build's" >&2
+    exit 1
+fi
+echo "[avx2] CPU_EXACT outputs: the default build's bits ($(wc -l < "$venv/exact-bits.txt") matmuls)"
 
 tests=(tests/real_files tests/test_batch_invariance.py tests/test_host_layout.py tests/test_hybrid.py
        tests/test_mtp_draft.py tests/test_models_drafts.py tests/test_pool_draft.py

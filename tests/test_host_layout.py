@@ -32,7 +32,7 @@ PLAIN = {"CPU", "CPU_Mapped"}
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("layout")
-    return {q: make_random_model(d / f"m-{q}.gguf", CFG, seed=5, quant=q) for q in ("q4_0", "q4_k_m")}
+    return {q: make_random_model(d / f"m-{q}.gguf", CFG, seed=5, quant=q) for q in ("q4_0", "q4_k_m", "iq4_xs", "mxfp4_moe")}
 
 
 @pytest.fixture(autouse=True)
@@ -65,10 +65,10 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
     assert again.report() == layout.report() and again.repacked == layout.repacked
 
 
-@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", ["q4_0", "q4_k_m", "iq4_xs", "mxfp4_moe"])
 def test_every_expert_lands_where_the_mode_says(files, quant):
     """Without a GPU, in exact mode: off keeps the file's layout, on is llama.cpp's default rule
-    (the first extra buffer type with a kernel: CPU_EXACT for Q4_0, Q4_K and Q6_K), auto repacks
+    (the first extra buffer type with a kernel: CPU_EXACT for every type it takes), auto repacks
     the types the measurement chose, in the buffer type it timed; twins are host buffers."""
     repacked = "CPU_EXACT"
     for mode in ("off", "on", "auto"):
@@ -347,6 +347,34 @@ def test_amx_mul_mat_equals_the_plain_kernel(type_name, request):
         x = rng.standard_normal((b, m, 256), dtype=np.float32)
         plain, amx = mul_mat("CPU", ggml_type, w, x), mul_mat("AMX", ggml_type, w, x)
         assert np.abs(amx - plain).max() <= 1e-5 * np.abs(plain).max(), (type_name, m, b)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
+def test_exact_mul_mat_is_llama_cpps_product(type_name, request):
+    """CPU_EXACT's kernels (the SIMD variant this build has) compute what llama.cpp's plain kernel
+    does, to rounding: the batch-invariance tests hold every row to a one-row op, which a kernel
+    reading the layout wrongly would pass too. Activations are quantized per 32 (llama.cpp: per 32,
+    or per 256 for the K-quants and IQ4_XS), so the two differ by a small fraction of the output.
+    F16 and BF16 stay in the plain layout, where exact mode gives them CPU_EXACT's float kernels
+    (F32 activations, where llama.cpp rounds them to the weight's type)."""
+    import gguf
+
+    from orchestrator.decoding.speculative import EXACT_ROWS
+
+    ggml_type = gguf.GGMLQuantizationType[type_name].value
+    floats = type_name in ("F16", "BF16")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 512), dtype=np.float32)
+    previous = host_layout.batch_invariant_rows()
+    request.addfinalizer(lambda: host_layout.set_batch_invariant_rows(previous))
+    for m in (1, 9, 32):
+        x = rng.standard_normal((1, m, 512), dtype=np.float32)
+        host_layout.set_batch_invariant_rows(0)  # the plain layout's own kernel, llama.cpp's
+        plain = mul_mat("CPU", ggml_type, w, x)
+        if floats:
+            host_layout.set_batch_invariant_rows(EXACT_ROWS)
+        exact = mul_mat("CPU" if floats else host_layout.EXACT_BUFT, ggml_type, w, x)
+        assert np.abs(exact - plain).max() <= 0.02 * np.abs(plain).max(), (type_name, m, np.abs(exact - plain).max())
 
 
 def test_dense_weights_keep_llama_cpps_repacked_layout_unless_slower_and_need_a_margin_for_amx():

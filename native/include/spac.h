@@ -213,6 +213,13 @@ void          spac_set_embeddings_nextn    (struct llama_context * ctx, bool ena
 const float * spac_get_embeddings_nextn    (struct llama_context * ctx);
 const float * spac_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 
+// Bytes per second that n_threads threads read from host memory together, each its share of an
+// n_bytes buffer: the best of a few passes of each way of reading (one stream or four side by side,
+// the hardware prefetchers alone or software prefetch 1-4 KiB ahead). The limit a memory-bound CPU
+// kernel's decode is held to (bench/bench_cpu.py). Make n_bytes several times the last-level
+// cache. 0 if it cannot allocate.
+double spac_host_read_rate(int32_t n_threads, size_t n_bytes);
+
 #ifdef __cplusplus
 }
 #endif

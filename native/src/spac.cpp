@@ -10,11 +10,15 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 
 #include <cstdio>
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 struct spac_engine {
     llama_context     * lctx;
@@ -313,4 +317,87 @@ const char * spac_model_tensor_twin_buft(const llama_model * model, const char *
     }
     auto it = model->plain_twins->twin.find(t);
     return it == model->plain_twins->twin.end() ? nullptr : ggml_backend_buft_name(ggml_backend_buffer_get_type(it->second->buffer));
+}
+
+// The sum of n words read as S streams side by side (S equal parts of the range, a cache line of
+// each in turn), each line asked for AHEAD bytes early (0: the hardware prefetchers alone): the ways a
+// kernel can read a weight, whose fastest is the machine's read rate. Eight independent chains of
+// adds per stream: the loads, never the adds, are the bottleneck.
+template <int S, int AHEAD>
+static uint64_t sum_words(const uint64_t * w, size_t n) {
+    uint64_t acc[S][8] = {};
+    const size_t len = n / S / 8 * 8;
+    for (size_t i = 0; i < len; i += 8) {
+        for (int c = 0; c < S; ++c) {
+            const uint64_t * p = w + c * len + i;
+            if (AHEAD > 0) {
+                __builtin_prefetch((const char *) p + AHEAD);
+            }
+            for (int k = 0; k < 8; ++k) {
+                acc[c][k] += p[k];
+            }
+        }
+    }
+    uint64_t sum = 0;
+    for (const auto & a : acc) {
+        for (uint64_t v : a) {
+            sum += v;
+        }
+    }
+    return sum;
+}
+
+// bytes/s of n_threads threads each reading its share of buf with `sum`, the best of a few passes
+static double read_rate(const std::vector<uint64_t> & buf, int32_t n_threads, uint64_t (*sum)(const uint64_t *, size_t),
+                        std::vector<uint64_t> & sums) {
+    const size_t n_words = buf.size();
+    double best = 0.0;
+    for (int pass = 0; pass < 3; ++pass) {
+        std::atomic<int>  ready{ 0 };
+        std::atomic<bool> go{ false };
+        std::vector<std::thread> threads;
+        for (int32_t t = 0; t < n_threads; ++t) {
+            threads.emplace_back([&, t] {
+                const size_t lo = n_words * t / n_threads, hi = n_words * (t + 1) / n_threads;
+                ready.fetch_add(1);
+                while (!go.load(std::memory_order_acquire)) {
+                }
+                sums[t] += sum(buf.data() + lo, hi - lo);
+            });
+        }
+        while (ready.load() < n_threads) {
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        go.store(true, std::memory_order_release);
+        for (auto & th : threads) {
+            th.join();
+        }
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        best = std::max(best, (double) (n_words * sizeof(uint64_t)) / std::max(s, 1e-9));
+    }
+    return best;
+}
+
+double spac_host_read_rate(int32_t n_threads, size_t n_bytes) {
+    n_threads = std::max<int32_t>(n_threads, 1);
+    std::vector<uint64_t> buf;
+    try {
+        buf.assign(n_bytes / sizeof(uint64_t), 1);  // written, so that every page is backed
+    } catch (const std::bad_alloc &) {
+        return 0.0;
+    }
+    uint64_t (*const ways[])(const uint64_t *, size_t) = {
+        sum_words<1, 0>, sum_words<1, 1024>, sum_words<1, 2048>, sum_words<1, 4096>,
+        sum_words<4, 0>, sum_words<4, 1024>, sum_words<4, 2048>, sum_words<4, 4096>,
+    };
+    std::vector<uint64_t> sums((size_t) n_threads);
+    double best = 0.0;
+    for (auto * way : ways) {
+        best = std::max(best, read_rate(buf, n_threads, way, sums));
+    }
+    volatile uint64_t sink = 0;  // the sums are used: the reads cannot be dropped
+    for (uint64_t v : sums) {
+        sink = sink + v;
+    }
+    return best;
 }

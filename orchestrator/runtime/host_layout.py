@@ -2,7 +2,7 @@
 CPU_EXACT for the types it takes, llama.cpp's CPU_REPACK for the others), chosen per tensor type
 and per phase from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's flag name).
 
-CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K) sums every output in one order at
+CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, Q4_K, Q5_K, Q6_K) sums every output in one order at
 every batch size, thread count and layout, and in batch-invariant mode (a session's default,
 `--exact`) the plain layout of those types takes the same kernels: for them the choice changes
 the speed, never the text. So a type CPU_EXACT takes is never given to CPU_REPACK or AMX, which round their own way.
@@ -16,7 +16,9 @@ llama.cpp repacks every weight its CPU_REPACK buffer type takes (`--repack 1`, i
 Which layout is faster depends on the type, the batch and the CPU (on an AVX2 EPYC and on an
 AVX-512 one: repacked Q4_0 is faster at every batch, repacked Q4_K faster at one token and
 slower on a 512-token prompt), so `auto` times one expert matmul (MUL_MAT_ID, the model's own
-shape, random routing) in both layouts at one token, at a verify batch and at a prefill ubatch.
+shape, random routing) in both layouts at one token, at a verify batch and at a prefill ubatch,
+its weights read from memory as a decode reads them (copies of the weight in turn, together twice
+the last-level cache: a few MB timed again and again would run from the cache).
 A type is repacked where decoding (one token and the verify batch) is faster repacked; where a
 prompt is faster on the plain layout, prompt ubatches read plain twins of its weights (the file's
 bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that stay on the host
@@ -106,6 +108,9 @@ MAX_BENCH_ROWS = 4096
 # wherever it measures no slower: Q4_0 attention at 1.15-1.19x here was worth 1.38x in whole decode
 # passes of a 4-layer Qwen3-30B-A3B shape (spac 0.72x llama.cpp's default with it plain, 1.14x repacked).
 DENSE_MIN_GAIN = 1.25
+# timings read their weights from memory: copies of the weight in turn, reading together this many
+# times the last-level cache, at most this many copies (`cold_copies`)
+COLD_CACHE_FACTOR, COLD_MAX_COPIES = 2, 64
 _GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
 
 
@@ -144,6 +149,7 @@ def _bind() -> dict:
         "new_graph": fn(base, "ggml_new_graph", p, p),
         "build_forward_expand": fn(base, "ggml_build_forward_expand", None, p, p),
         "nbytes": fn(base, "ggml_nbytes", c_size_t, p),
+        "row_size": fn(base, "ggml_row_size", c_size_t, c_int, c_int64),
         "quantize_chunk": fn(base, "ggml_quantize_chunk", c_size_t, c_int, p, p, c_int64, c_int64, c_int64, p),
         "alloc_ctx_tensors": fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", p, p, p),
         "buft_alloc_buffer": fn(base, "ggml_backend_buft_alloc_buffer", p, p, c_size_t),
@@ -241,29 +247,32 @@ def device_buffer_type(name: str) -> int:
 
 @contextmanager
 def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int, buft: int,
-                  n_threads: int, seed: int = 0, device: str = "CPU") -> Iterator[tuple | None]:
+                  n_threads: int, seed: int = 0, device: str = "CPU", copies: int = 1) -> Iterator[tuple | None]:
     """One MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type `buft`, F32
     activations [n_in, n_used, n_tokens], n_used distinct random experts per token), or with
     n_expert = 0 one MUL_MAT (weight [n_in, n_out]), on a backend of `device` (the CPU: n_threads
     threads), its weights a few random quantized rows (seeded) repeated: yields (x, ids, out,
-    graph, backend), or None where that buffer type does not take the weight."""
+    graph, backend), or None where that buffer type does not take the weight. copies > 1: the
+    graph computes the matmul `copies` times in a row, each reading its own copy of the weight
+    (`out` is the first's)."""
     g = _lib()
     dev = _device(device)
     overhead = g["tensor_overhead"]()
-    ctx_w = g["init"](_InitParams(overhead * 2, None, True))
-    ctx = g["init"](_InitParams(overhead * 8 + g["graph_overhead"](), None, True))
+    ctx_w = g["init"](_InitParams(overhead * (copies + 1), None, True))
+    ctx = g["init"](_InitParams(overhead * (8 + copies) + g["graph_overhead"](), None, True))
     buffers, backend = [], None
     try:
         if n_expert:
-            w = g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, n_expert)
+            ws = [g["new_tensor_3d"](ctx_w, ggml_type, n_in, n_out, n_expert) for _ in range(copies)]
             x = g["new_tensor_3d"](ctx, _GGML_TYPE_F32, n_in, n_used, n_tokens)
             ids = g["new_tensor_2d"](ctx, _GGML_TYPE_I32, n_used, n_tokens)
-            out = g["mul_mat_id"](ctx, w, x, ids)
+            outs = [g["mul_mat_id"](ctx, w, x, ids) for w in ws]
         else:
-            w = g["new_tensor_2d"](ctx_w, ggml_type, n_in, n_out)
+            ws = [g["new_tensor_2d"](ctx_w, ggml_type, n_in, n_out) for _ in range(copies)]
             x = g["new_tensor_2d"](ctx, _GGML_TYPE_F32, n_in, n_tokens)
             ids, n_used = None, 1
-            out = g["mul_mat"](ctx, w, x)
+            outs = [g["mul_mat"](ctx, w, x) for w in ws]
+        w, out = ws[0], outs[0]
         for c, b in ((ctx_w, buft), (ctx, g["dev_buffer_type"](dev))):
             buffers.append(g["alloc_ctx_tensors"](c, b))
             if not buffers[-1]:
@@ -282,14 +291,16 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
         block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
         g["quantize_chunk"](ggml_type, src.ctypes.data, block.ctypes.data, 0, sample, n_in, None)
         data = np.resize(block, g["nbytes"](w))
-        g["tensor_set"](w, data.ctypes.data, 0, data.nbytes)
+        for copy in ws:
+            g["tensor_set"](copy, data.ctypes.data, 0, data.nbytes)
         xs = rng.standard_normal((n_tokens, n_used, n_in), dtype=np.float32)
         g["tensor_set"](x, xs.ctypes.data, 0, xs.nbytes)
         if ids:
             chosen = np.argsort(rng.random((n_tokens, n_expert)), axis=1)[:, :n_used].astype(np.int32)
             g["tensor_set"](ids, chosen.ctypes.data, 0, chosen.nbytes)
         graph = g["new_graph"](ctx)
-        g["build_forward_expand"](graph, out)
+        for o in outs:
+            g["build_forward_expand"](graph, o)
         if device == "CPU":
             backend = g["cpu_init"]()
             g["cpu_set_n_threads"](backend, n_threads)
@@ -306,12 +317,42 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
         g["free"](ctx_w)
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), or 64 MiB where it is not told."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        m = re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip())
+        if m:
+            sizes.append(int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2]])
+    return max(sizes, default=64 << 20)
+
+
+def cold_copies(weight_bytes: int, touched: float = 1.0) -> int:
+    """How many copies of a weight a timing rotates through so that a run reads them from memory,
+    as a model's decode does (a few MB of experts timed again and again would sit in the
+    last-level cache): twice the cache's size in the bytes a matmul reads (`touched`: its share of
+    the weight), at most COLD_MAX_COPIES."""
+    read = max(weight_bytes * touched, 1.0)
+    return int(min(COLD_MAX_COPIES, max(1, -(-COLD_CACHE_FACTOR * last_level_cache_bytes() // read))))
+
+
 def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
-                buft: int, n_threads: int, repeats: int = 3, seed: int = 0) -> float | None:
+                buft: int, n_threads: int, repeats: int = 3, seed: int = 0, cold: bool | None = None) -> float | None:
     """Seconds of one MUL_MAT_ID or MUL_MAT (`_matmul_graph`), the best of at least `repeats` runs
-    after a warm-up; None where that buffer type does not take the weight."""
+    after a warm-up; None where that buffer type does not take the weight. cold: the weights come
+    from memory, not the cache (`cold_copies` copies in turn; the time is per copy); by default
+    for a decode's batches (a prompt's ubatch computes long enough per weight for the read not
+    to matter)."""
     g = _lib()
-    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed) as built:
+    copies = 1
+    if cold if cold is not None else n_tokens < PREFILL_MIN_TOKENS:
+        rows = n_out * max(n_expert, 1)
+        row_bytes = g["row_size"](ggml_type, n_in)
+        # a MUL_MAT_ID reads the experts its tokens chose: about this share of them
+        touched = 1.0 if not n_expert else min(1.0, 1.0 - (1.0 - n_used / n_expert) ** n_tokens)
+        copies = cold_copies(rows * row_bytes, touched)
+    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed,
+                       copies=copies) as built:
         if built is None:
             return None
         _, _, _, graph, backend = built
@@ -324,7 +365,7 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
             t = time.perf_counter()
             g["graph_compute"](backend, graph)
             best = min(best, time.perf_counter() - t)
-        return best
+        return best / copies
 
 
 def matmul_output(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.ndarray, ids: np.ndarray | None,
@@ -561,10 +602,10 @@ def cpu_model_and_flags() -> tuple[str, set[str]]:
 
 def _cpu_key() -> str:
     """What the times depend on: the CPU (a model name alone is ambiguous: "AMD EPYC" comes with
-    and without AVX-512) and the build of ggml-cpu."""
+    and without AVX-512), the build of ggml-cpu and how the timing keeps the weights out of cache."""
     model, flags = cpu_model_and_flags()
     lib = Path(ggml_library("ggml-cpu")._name).stat()
-    key = f"{model}|{' '.join(sorted(flags))}|{os.cpu_count()}|{lib.st_size}-{lib.st_mtime_ns}"
+    key = f"{model}|{' '.join(sorted(flags))}|{os.cpu_count()}|{lib.st_size}-{lib.st_mtime_ns}|cold{COLD_CACHE_FACTOR}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

@@ -136,6 +136,7 @@ def _bind():
         "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),
                                 c_int32, c_char_p, c_size_t),
         "model_layer_device": fn("spac_model_layer_device", c_char_p, c_void_p, c_int32),
+        "host_read_rate": fn("spac_host_read_rate", c_double, c_int32, c_size_t),
         "model_tensor_buft": fn("spac_model_tensor_buft", c_char_p, c_void_p, c_char_p),
         "model_tensor_twin_buft": fn("spac_model_tensor_twin_buft", c_char_p, c_void_p, c_char_p),
     }
@@ -221,6 +222,12 @@ def model_layer_devices(model_ptr, n_layer: int) -> list[str]:
     """The ggml device llama.cpp placed each model layer on ("CPU": left on the host)."""
     f = lib()["model_layer_device"]
     return [(f(_ctx_ptr(model_ptr), il) or b"?").decode() for il in range(n_layer)]
+
+
+def host_read_rate(n_threads: int, n_bytes: int) -> float:
+    """Bytes/s that n_threads threads read from host memory together (spac_host_read_rate):
+    what a memory-bound decode's kernels are held to."""
+    return float(lib()["host_read_rate"](n_threads, n_bytes))
 
 
 def model_moe_layers(model_ptr, n_layer: int) -> list[int]:

@@ -17,14 +17,20 @@
 // case, threads split rows and tokens but never a sum, and the plain layout is interleaved 16 rows
 // at a time on the fly into the same kernel.
 //
-// K-quants (Q4_K, Q5_K, Q6_K) follow the same order per 32-weight block, their integer sub-block
-// scales and mins applied to the exact sums (see the kernels' comment below).
+// K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS follow the same order per 32-weight block, their integer
+// sub-block scales and mins applied to the exact sums (see the kernels' comment below). MXFP4's
+// scale is a power of two (E8M0), so its product with the activations' fp16 scale is exact too.
+//
+// F16 and BF16 weights keep the file's layout and their activations stay F32: each output is summed
+// in 16 lanes (lane l takes the weights k = l mod 16, ascending, by fma), the lanes then added in one
+// fixed order (`lanes_sum`). Only batch-invariant mode's plain weights take them, at up to its
+// rows (verify passes and decoding; prompts keep llama.cpp's GEMM).
 //
 // The interleaved layout puts 16 rows side by side: row r's 4 consecutive weights at bytes 4r..4r+3
 // of each 64-byte chunk (what one 512-bit dot-product instruction takes against 4 broadcast
 // activations), with the rows' scales beside them (`layout_info`). 4-bit values stay packed. For
-// Q4_0, Q8_0, IQ4_NL and Q6_K the buffer is as large as the file's tensor; Q4_K and Q5_K take 2-3%
-// more (their 6-bit scales unpacked).
+// Q4_0, Q8_0, IQ4_NL, MXFP4 and Q6_K the buffer is as large as the file's tensor; Q4_K, Q5_K and
+// IQ4_XS take 1.5-3% more (their 6-bit scales unpacked).
 
 #define GGML_COMMON_IMPL_CPP
 #define GGML_COMMON_DECL_CPP
@@ -53,8 +59,8 @@ constexpr int64_t GROUP = 16;  // rows interleaved together
 
 // The interleaved layout of a type, per 16-row group: a header per super-block (16 fp16 scales, and
 // for Q4_K/Q5_K 16 fp16 mins), then per 32-weight block a unit: per-row integer scales (K-quants:
-// Q4_K/Q5_K's scale and min, Q6_K's two 16-weight scales, 16 bytes each), the low nibbles (or Q8_0's
-// bytes) in 64-byte chunks, and the high bits (Q5_K: one chunk, bit m for chunk register m; Q6_K:
+// Q4_K/Q5_K's scale and min, Q6_K's two 16-weight scales, 16 bytes each; IQ4_XS's one scale), the
+// low nibbles (or Q8_0's bytes) in 64-byte chunks, and the high bits (Q5_K: one chunk, bit m for chunk register m; Q6_K:
 // two chunks, 2 bits per register).
 struct layout_info {
     int blocks;  // 32-weight blocks per super-block
@@ -64,9 +70,13 @@ struct layout_info {
 
 constexpr layout_info info_of(ggml_type type) {
     switch (type) {
+        case GGML_TYPE_F16:
+        case GGML_TYPE_BF16:   return { 1, 0, 0 };  // the file's rows (group_bytes)
         case GGML_TYPE_Q4_0:
         case GGML_TYPE_IQ4_NL: return { 1, 32, 256 };
+        case GGML_TYPE_MXFP4:  return { 1, 16, 256 };  // the rows' E8M0 scales, a byte each
         case GGML_TYPE_Q8_0:   return { 1, 32, 512 };
+        case GGML_TYPE_IQ4_XS: return { 8, 32, 16 + 256 };
         case GGML_TYPE_Q4_K:   return { 8, 64, 32 + 256 };
         case GGML_TYPE_Q5_K:   return { 8, 64, 32 + 256 + 64 };
         case GGML_TYPE_Q6_K:   return { 8, 32, 32 + 256 + 128 };
@@ -78,11 +88,30 @@ bool covered(ggml_type type) {
     return info_of(type).blocks != 0;
 }
 
-constexpr bool has_min(ggml_type type)    { return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K; }
-constexpr bool has_scales(ggml_type type) { return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K; }
+constexpr bool is_float(ggml_type type) { return type == GGML_TYPE_F16 || type == GGML_TYPE_BF16; }
+
+constexpr bool has_min(ggml_type type) { return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K; }
+
+// bytes of integer scales at the start of a unit: 16 rows' scale (IQ4_XS), and their min (Q4_K,
+// Q5_K) or second scale (Q6_K)
+constexpr int scale_bytes(ggml_type type) {
+    return type == GGML_TYPE_IQ4_XS ? 16 : (has_min(type) || type == GGML_TYPE_Q6_K) ? 32 : 0;
+}
+
+// the weight values are a table's, looked up by 4-bit index
+constexpr bool has_table(ggml_type type) {
+    return type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_MXFP4;
+}
+
+const int8_t * table_of(ggml_type type) {
+    return type == GGML_TYPE_MXFP4 ? kvalues_mxfp4 : kvalues_iq4nl;
+}
 
 // bytes of one 16-row group over a row of K weights
 int64_t group_bytes(ggml_type type, int64_t K) {
+    if (is_float(type)) {
+        return GROUP * (int64_t) ggml_row_size(type, K);
+    }
     const layout_info I = info_of(type);
     return K / (QK * I.blocks) * (I.header + I.blocks * I.unit);
 }
@@ -95,19 +124,21 @@ int64_t matrix_bytes(const ggml_tensor * t) {
 // ---------------------------------------------------------------------------------- activations
 
 // a token's quantized activations: K int8s, then per block a float scale (an fp16 value) and the
-// sums of its two halves of 16 (int32)
-size_t act_row_bytes(int64_t K) {
-    return GGML_PAD((size_t) K + (size_t) (K / QK) * 12, 64);
+// sums of its two halves of 16 (int32); for F16 and BF16 weights its K floats
+size_t act_row_bytes(ggml_type type, int64_t K) {
+    return GGML_PAD(is_float(type) ? (size_t) K * sizeof(float) : (size_t) K + (size_t) (K / QK) * 12, 64);
 }
 
 struct act_row {
     const int8_t *  q;
     const float *   d;
     const int32_t * s16;  // [2 * nb]
+    const float *   f;    // the floats (F16 and BF16 weights)
 };
 
 act_row act_at(const uint8_t * row, int64_t K) {
-    return { (const int8_t *) row, (const float *) (row + K), (const int32_t *) (row + K + 4 * (K / QK)) };
+    return { (const int8_t *) row, (const float *) (row + K), (const int32_t *) (row + K + 4 * (K / QK)),
+             (const float *) row };
 }
 
 // rounds to nearest, ties to even: what cvtps2dq does in the default rounding mode
@@ -190,7 +221,11 @@ void scale_min_k4(const uint8_t * sc, int j, uint8_t & scale, uint8_t & min) {
 // row r of a 16-row group: one super-block of the file at src, into the group's super-block at h
 void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h) {
     const layout_info I = info_of(type);
-    memcpy(h + 2 * r, type == GGML_TYPE_Q6_K ? src + offsetof(block_q6_K, d) : src, 2);  // d
+    if (type == GGML_TYPE_MXFP4) {
+        h[r] = src[offsetof(block_mxfp4, e)];
+    } else {
+        memcpy(h + 2 * r, type == GGML_TYPE_Q6_K ? src + offsetof(block_q6_K, d) : src, 2);  // d
+    }
     if (has_min(type)) {
         memcpy(h + 32 + 2 * r, src + 2, 2);  // dmin, after d
     }
@@ -203,10 +238,21 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
             }
         } break;
         case GGML_TYPE_Q4_0:
-        case GGML_TYPE_IQ4_NL: {  // the file's byte k already holds weights k and 16+k
-            const uint8_t * qs = src + offsetof(block_q4_0, qs);
+        case GGML_TYPE_IQ4_NL:
+        case GGML_TYPE_MXFP4: {  // the file's byte k already holds weights k and 16+k
+            const uint8_t * qs = src + (type == GGML_TYPE_MXFP4 ? offsetof(block_mxfp4, qs) : offsetof(block_q4_0, qs));
             for (int m = 0; m < 4; ++m) {
                 store32(u + 64 * m + 4 * r, load32(qs + 4 * m));
+            }
+        } break;
+        case GGML_TYPE_IQ4_XS: {
+            const block_iq4_xs * blk = (const block_iq4_xs *) src;
+            for (int j = 0; j < 8; ++j, u += I.unit) {  // block j: 16 bytes, weights k and 16+k in byte k
+                const int ls = ((blk->scales_l[j / 2] >> 4 * (j % 2)) & 0x0F) | (((blk->scales_h >> 2 * j) & 3) << 4);
+                u[r] = (uint8_t) (int8_t) (ls - 32);
+                for (int m = 0; m < 4; ++m) {
+                    store32(u + 16 + 64 * m + 4 * r, load32(blk->qs + 16 * j + 4 * m));
+                }
             }
         } break;
         case GGML_TYPE_Q4_K:
@@ -255,6 +301,14 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
 // one 16-row group of the interleaved layout from n_rows rows of the file's blocks (rows past
 // n_rows: zeros)
 void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, int64_t n_rows, int64_t K, uint8_t * dst) {
+    if (is_float(type)) {  // the file's rows, zeros past n_rows
+        const size_t row = ggml_row_size(type, K);
+        memset(dst, 0, GROUP * row);
+        for (int64_t r = 0; r < n_rows; ++r) {
+            memcpy(dst + r * row, src + r * row_stride, row);
+        }
+        return;
+    }
     const layout_info I = info_of(type);
     const int64_t n_sb   = K / (QK * I.blocks);
     const size_t  sb_src = ggml_row_size(type, QK * I.blocks);
@@ -275,17 +329,21 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
 // outputs), over every block, in exactly the order of the file's header. Per block b, with A the
 // dot of the stored values and the activations (A0, A1 of the two halves of 16), S0, S1 the
 // activations' sums over those halves and dx their scale:
-//   Q4_0, Q8_0, IQ4_NL  acc = fma(A - off (S0 + S1), d dx, acc)     signed values: off = 0
-//   Q4_K, Q5_K          acc = fma(sc A, d dx, acc); acc = fma(mn (S0 + S1), -dmin dx, acc)
-//   Q6_K                acc = fma(sc0 (A0 - 32 S0) + sc1 (A1 - 32 S1), d dx, acc)
-// The integer terms are exact in int32 and so are the products of two fp16 values in float.
+//   Q4_0, Q8_0, IQ4_NL, MXFP4  acc = fma(A - off (S0 + S1), d dx, acc)     signed values: off = 0
+//   IQ4_XS                     acc = fma(sc (A - off (S0 + S1)), d dx, acc)
+//   Q4_K, Q5_K                 acc = fma(sc A, d dx, acc); acc = fma(mn (S0 + S1), -dmin dx, acc)
+//   Q6_K                       acc = fma(sc0 (A0 - 32 S0) + sc1 (A1 - 32 S1), d dx, acc)
+// The integer terms are exact in int32 and so are the products of two fp16 values in float (and of
+// MXFP4's power of two and an fp16 value).
 
 // the weight's value in the sum A: the unsigned stored value where the kernels offset it, else signed
 [[maybe_unused]] int value_in_sum(ggml_type type, int stored) {
     switch (type) {
         case GGML_TYPE_Q4_0:   return stored - 8;
         case GGML_TYPE_Q8_0:   return (int8_t) stored;
-        case GGML_TYPE_IQ4_NL: return kvalues_iq4nl[stored];
+        case GGML_TYPE_IQ4_NL:
+        case GGML_TYPE_IQ4_XS:
+        case GGML_TYPE_MXFP4:  return table_of(type)[stored];
         case GGML_TYPE_Q6_K:   return stored - 32;
         default:               return stored;
     }
@@ -312,12 +370,13 @@ constexpr int TILE_MAX = 8;  // 8 zmm of weights, one accumulator per token
 constexpr int PREFETCH_BYTES = 2048;
 #define EXACT_KERNEL_TAKES_GROUPS  // tile_simd below computes G groups itself
 
-// IQ4_NL's values offset by 128, as unsigned bytes
-const uint8_t * iq4nl_unsigned() {
+// a table type's values offset by 128, as unsigned bytes
+template <ggml_type TYPE>
+const uint8_t * table_unsigned() {
     alignas(16) static uint8_t table[16];
     static const bool filled = [] {
         for (int i = 0; i < 16; ++i) {
-            table[i] = (uint8_t) (kvalues_iq4nl[i] + 128);
+            table[i] = (uint8_t) (table_of(TYPE)[i] + 128);
         }
         return true;
     }();
@@ -325,17 +384,32 @@ const uint8_t * iq4nl_unsigned() {
     return table;
 }
 
+// the 16 rows' float scales in a super-block's header: fp16 values, or MXFP4's E8M0 exponents as
+// ggml_e8m0_to_fp32_half reads them (2^(e-128); e < 2 a denormal)
+template <ggml_type TYPE>
+__m512 row_scales(const uint8_t * h) {
+    if constexpr (TYPE == GGML_TYPE_MXFP4) {
+        const __m512i e        = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) h));
+        const __m512i normal   = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i denormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, denormal));
+    } else {
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) h));
+    }
+}
+
 // rows in the 16 lanes; the weights as unsigned bytes for vpdpbusd against the signed activations
-// (Q8_0's and IQ4_NL's values offset by 128, the offset times the activations' sum taken back).
+// (Q8_0's and the table types' values offset by 128, the offset times the activations' sum taken
+// back).
 // G groups (gstride bytes apart) at once for a single token: more independent loads in flight
 // while the weights stream from memory.
 template <ggml_type TYPE, int G, int T>
 void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x, float * y) {
     constexpr layout_info I = info_of(TYPE);
-    constexpr int32_t off = TYPE == GGML_TYPE_Q4_0 ? 8 : (TYPE == GGML_TYPE_Q8_0 || TYPE == GGML_TYPE_IQ4_NL) ? 128 : 0;
+    constexpr int32_t off = TYPE == GGML_TYPE_Q4_0 ? 8 : (TYPE == GGML_TYPE_Q8_0 || has_table(TYPE)) ? 128 : 0;
     constexpr int64_t sb_bytes = I.header + I.blocks * I.unit;
     const __m512i m4  = _mm512_set1_epi8(0x0F);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *) iq4nl_unsigned()));
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *) table_unsigned<TYPE>()));
     __m512 acc[G][T];
     for (int c = 0; c < G; ++c) {
         for (int t = 0; t < T; ++t) {
@@ -355,22 +429,21 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                         _mm_prefetch((const char *) (j == 0 ? h : u) + PREFETCH_BYTES + l, _MM_HINT_T0);
                     }
                 }
-                const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) h));
+                const __m512 d = row_scales<TYPE>(h);
                 __m512 neg_dmin = _mm512_setzero_ps();
                 if constexpr (has_min(TYPE)) {
                     neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (h + 32))));
                 }
                 __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
-                const uint8_t * qp = u;
-                if constexpr (has_scales(TYPE)) {
-                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
-                        sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) u));
+                const uint8_t * qp = u + scale_bytes(TYPE);
+                if constexpr (has_min(TYPE)) {
+                    sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) u));
+                    sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
+                } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's two, IQ4_XS's one
+                    sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) u));
+                    if constexpr (scale_bytes(TYPE) == 32) {
                         sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
-                    } else {
-                        sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) u));
-                        sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
                     }
-                    qp += 32;
                 }
                 __m512i q[8];
                 if constexpr (TYPE == GGML_TYPE_Q8_0) {
@@ -383,7 +456,7 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                         q[m]     = _mm512_and_si512(v, m4);
                         q[m + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                     }
-                    if constexpr (TYPE == GGML_TYPE_IQ4_NL) {
+                    if constexpr (has_table(TYPE)) {
                         for (int m = 0; m < 8; ++m) {
                             q[m] = _mm512_shuffle_epi8(lut, q[m]);
                         }
@@ -422,6 +495,9 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
                         const __m512i mins = _mm512_mullo_epi32(sc1, _mm512_set1_epi32(s0 + s1));
                         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(neg_dmin, _mm512_set1_ps(x[t].d[b])), out);
+                    } else if constexpr (TYPE == GGML_TYPE_IQ4_XS) {
+                        const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(off * (s0 + s1)));
+                        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(a, sc0)), dd, out);
                     } else {
                         const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(a0, a1), _mm512_set1_epi32(off * (s0 + s1)));
                         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
@@ -441,17 +517,30 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
 #define EXACT_KERNEL "avx2"
 constexpr int TILE_MAX = 4;  // 16 ymm: 8 of weights, 2 accumulators per token
 
+// rows 8h..8h+7's float scales in a super-block's header (see the AVX-512 kernel's row_scales)
+template <ggml_type TYPE>
+__m256 row_scales(const uint8_t * hdr, int h) {
+    if constexpr (TYPE == GGML_TYPE_MXFP4) {
+        const __m256i e        = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (hdr + 8 * h)));
+        const __m256i normal   = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+    } else {
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (hdr + 16 * h)));
+    }
+}
+
 // rows in 8 lanes, twice per group; the products through maddubs, which takes an unsigned byte:
 // the unsigned stored values as they are (Q4_0's offset taken back with the activations' sum),
-// the signed ones (Q8_0, IQ4_NL) as their magnitude against activations carrying their sign. No
-// pair of products saturates 16 bits.
+// the signed ones (Q8_0, the table types) as their magnitude against activations carrying their
+// sign. No pair of products saturates 16 bits.
 template <ggml_type TYPE, int T>
 void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
     constexpr layout_info I = info_of(TYPE);
-    constexpr bool is_signed = TYPE == GGML_TYPE_Q8_0 || TYPE == GGML_TYPE_IQ4_NL;
+    constexpr bool is_signed = TYPE == GGML_TYPE_Q8_0 || has_table(TYPE);
     const __m256i m4   = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i lut  = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) kvalues_iq4nl));
+    const __m256i lut  = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) table_of(TYPE)));
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) {
         acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -463,22 +552,21 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
         for (int j = 0; j < I.blocks; ++j, w += I.unit) {
             const int64_t b = s * I.blocks + j;
             for (int h = 0; h < 2; ++h) {
-                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (hdr + 16 * h)));
+                const __m256 d = row_scales<TYPE>(hdr, h);
                 __m256 neg_dmin = _mm256_setzero_ps();
                 if constexpr (has_min(TYPE)) {
                     neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (hdr + 32 + 16 * h))));
                 }
                 __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
-                const uint8_t * qp = w;
-                if constexpr (has_scales(TYPE)) {
-                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
-                        sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
+                const uint8_t * qp = w + scale_bytes(TYPE);
+                if constexpr (has_min(TYPE)) {
+                    sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
+                    sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
+                } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's two, IQ4_XS's one
+                    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
+                    if constexpr (scale_bytes(TYPE) == 32) {
                         sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
-                    } else {
-                        sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
-                        sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
                     }
-                    qp += 32;
                 }
                 __m256i q[8];
                 if constexpr (TYPE == GGML_TYPE_Q8_0) {
@@ -491,7 +579,7 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                         q[m]     = _mm256_and_si256(v, m4);
                         q[m + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     }
-                    if constexpr (TYPE == GGML_TYPE_IQ4_NL) {
+                    if constexpr (has_table(TYPE)) {
                         for (int m = 0; m < 8; ++m) {
                             q[m] = _mm256_shuffle_epi8(lut, q[m]);
                         }
@@ -530,6 +618,9 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
                         const __m256i mins = _mm256_mullo_epi32(sc1, _mm256_set1_epi32(s0 + s1));
                         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(x[t].d[b])), acc[t][h]);
+                    } else if constexpr (TYPE == GGML_TYPE_IQ4_XS) {
+                        const __m256i isum = _mm256_mullo_epi32(_mm256_add_epi32(a[0], a[1]), sc0);
+                        acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
                     } else {
                         __m256i isum = _mm256_add_epi32(a[0], a[1]);
                         if constexpr (TYPE == GGML_TYPE_Q4_0) {
@@ -560,12 +651,12 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
             float acc = 0.0f;
             const uint8_t * p = w;
             for (int64_t s = 0; s < n_sb; ++s) {
-                const float d = GGML_CPU_FP16_TO_FP32(((const ggml_half *) p)[r]);
+                const float d = TYPE == GGML_TYPE_MXFP4 ? GGML_E8M0_TO_FP32_HALF(p[r]) : GGML_CPU_FP16_TO_FP32(((const ggml_half *) p)[r]);
                 const float dmin = has_min(TYPE) ? GGML_CPU_FP16_TO_FP32(((const ggml_half *) (p + 32))[r]) : 0.0f;
                 p += I.header;
                 for (int j = 0; j < I.blocks; ++j, p += I.unit) {
                     const int64_t b = s * I.blocks + j;
-                    const uint8_t * qp = has_scales(TYPE) ? p + 32 : p;
+                    const uint8_t * qp = p + scale_bytes(TYPE);
                     int32_t a[2] = { 0, 0 };
                     for (int k = 0; k < QK; ++k) {
                         a[k / 16] += value_in_sum(TYPE, stored_at(TYPE, qp, r, k)) * x[t].q[b * QK + k];
@@ -578,6 +669,8 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                     } else if (has_min(TYPE)) {
                         acc = fmaf((float) (p[r] * (a[0] + a[1])), d * dx, acc);
                         acc = fmaf((float) (p[16 + r] * (s0 + s1)), -dmin * dx, acc);
+                    } else if (TYPE == GGML_TYPE_IQ4_XS) {
+                        acc = fmaf((float) ((int8_t) p[r] * (a[0] + a[1])), d * dx, acc);
                     } else {
                         acc = fmaf((float) (a[0] + a[1]), d * dx, acc);
                     }
@@ -598,6 +691,127 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
     }
 }
 #endif
+
+// ---------------------------------------------------------------------------------- F16, BF16
+
+// an output's 16 lane sums added in one fixed order, whatever the SIMD width that made them
+float lanes_sum(const float * l) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; ++i) {
+        a[i] = l[i] + l[i + 8];
+    }
+    for (int i = 0; i < 4; ++i) {
+        b[i] = a[i] + a[i + 4];
+    }
+    return ((b[0] + b[2]) + (b[1] + b[3]));
+}
+
+// R rows (row_bytes apart) for T tokens: y[t * GROUP + r]. Lane l of an output's sum takes the
+// weights k = l mod 16 in ascending order, whatever R, T and the SIMD width.
+template <ggml_type TYPE, int R, int T>
+void float_rows(const uint8_t * w, int64_t row_bytes, int64_t K, const act_row * x, float * y) {
+    alignas(64) float lanes[16];
+#if defined(__AVX512F__)
+    __m512 acc[R][T];
+    for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < T; ++t) {
+            acc[r][t] = _mm512_setzero_ps();
+        }
+    }
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * p = w + r * row_bytes + 2 * k;
+            if (k % 32 == 0) {  // a cache line per 32 weights, asked for ahead
+                _mm_prefetch((const char *) p + 1024, _MM_HINT_T0);
+            }
+            const __m256i h = _mm256_loadu_si256((const __m256i *) p);
+            const __m512  v = TYPE == GGML_TYPE_F16 ? _mm512_cvtph_ps(h)
+                                                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            for (int t = 0; t < T; ++t) {
+                acc[r][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x[t].f + k), acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < T; ++t) {
+            _mm512_store_ps(lanes, acc[r][t]);
+            y[t * GROUP + r] = lanes_sum(lanes);
+        }
+    }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    __m256 acc[R][T][2];  // lanes 0-7 and 8-15
+    for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < T; ++t) {
+            acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+        }
+    }
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int r = 0; r < R; ++r) {
+            const uint8_t * p = w + r * row_bytes + 2 * k;
+            if (k % 32 == 0) {
+                _mm_prefetch((const char *) p + 1024, _MM_HINT_T0);
+            }
+            for (int h = 0; h < 2; ++h) {
+                const __m128i b = _mm_loadu_si128((const __m128i *) (p + 16 * h));
+                const __m256  v = TYPE == GGML_TYPE_F16 ? _mm256_cvtph_ps(b)
+                                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+                for (int t = 0; t < T; ++t) {
+                    acc[r][t][h] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[t].f + k + 8 * h), acc[r][t][h]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < T; ++t) {
+            _mm256_store_ps(lanes, acc[r][t][0]);
+            _mm256_store_ps(lanes + 8, acc[r][t][1]);
+            y[t * GROUP + r] = lanes_sum(lanes);
+        }
+    }
+#else
+    for (int r = 0; r < R; ++r) {
+        const uint8_t * p = w + r * row_bytes;
+        for (int t = 0; t < T; ++t) {
+            for (int l = 0; l < 16; ++l) {
+                lanes[l] = 0.0f;
+            }
+            for (int64_t k = 0; k < K; ++k) {
+                const uint16_t bits = ((const uint16_t *) p)[k];
+                const float    v    = TYPE == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(bits) : GGML_BF16_TO_FP32(ggml_bf16_t{ bits });
+                lanes[k % 16] = fmaf(v, x[t].f[k], lanes[k % 16]);
+            }
+            y[t * GROUP + r] = lanes_sum(lanes);
+        }
+    }
+#endif
+}
+
+// G groups of 16 rows for T tokens, rows a few at a time: enough independent sums in flight
+template <ggml_type TYPE, int T>
+void float_groups(const uint8_t * w, int64_t gstride, int G, int64_t K, const act_row * x, float * y) {
+    constexpr int R = T == 1 ? 4 : T == 2 ? 2 : 1;
+    const int64_t row_bytes = gstride / GROUP;
+    for (int c = 0; c < G; ++c) {
+        for (int r = 0; r < GROUP; r += R) {
+            float_rows<TYPE, R, T>(w + c * gstride + r * row_bytes, row_bytes, K, x, y + c * T * GROUP + r);
+        }
+    }
+}
+
+template <ggml_type TYPE>
+void float_tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
+    switch (T) {
+        case 1: float_groups<TYPE, 1>(w, gstride, G, K, x, y); break;
+        case 2: float_groups<TYPE, 2>(w, gstride, G, K, x, y); break;
+        case 3: float_groups<TYPE, 3>(w, gstride, G, K, x, y); break;
+        case 4: float_groups<TYPE, 4>(w, gstride, G, K, x, y); break;
+        case 5: float_groups<TYPE, 5>(w, gstride, G, K, x, y); break;
+        case 6: float_groups<TYPE, 6>(w, gstride, G, K, x, y); break;
+        case 7: float_groups<TYPE, 7>(w, gstride, G, K, x, y); break;
+        case 8: float_groups<TYPE, 8>(w, gstride, G, K, x, y); break;
+        default: GGML_ABORT("CPU_EXACT: tile of %d tokens", T);
+    }
+}
 
 // a single token's matmul takes this many groups at once
 constexpr int GEMV_GROUPS = 4;
@@ -627,6 +841,10 @@ void run_tile(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t
         case GGML_TYPE_Q4_0:   tile<GGML_TYPE_Q4_0>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q8_0:   tile<GGML_TYPE_Q8_0>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_IQ4_NL: tile<GGML_TYPE_IQ4_NL>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_IQ4_XS: tile<GGML_TYPE_IQ4_XS>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_MXFP4:  tile<GGML_TYPE_MXFP4>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_F16:    float_tile<GGML_TYPE_F16>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_BF16:   float_tile<GGML_TYPE_BF16>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q4_K:   tile<GGML_TYPE_Q4_K>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q5_K:   tile<GGML_TYPE_Q5_K>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q6_K:   tile<GGML_TYPE_Q6_K>(w, gstride, G, K, T, x, y); break;
@@ -680,7 +898,7 @@ class exact_traits : public ggml::cpu::tensor_traits {
         const ggml_tensor * src0 = op->src[0];
         const ggml_tensor * src1 = op->src[1];
         const int64_t n_rows1 = src1->ne[1] * src1->ne[2] * src1->ne[3];
-        size = GGML_PAD(act_row_bytes(src0->ne[0]) * (size_t) n_rows1, 64);
+        size = GGML_PAD(act_row_bytes(src0->type, src0->ne[0]) * (size_t) n_rows1, 64);
         if (op->op == GGML_OP_MUL_MAT_ID) {
             const ggml_tensor * ids = op->src[2];
             const int64_t n_as = src0->ne[2];
@@ -705,12 +923,13 @@ class exact_traits : public ggml::cpu::tensor_traits {
         return false;
     }
 
-    // group g of the weight matrix at `w`: in place when interleaved, else interleaved into scratch
+    // group g of the weight matrix at `w`: in place when interleaved (or F16/BF16's whole rows),
+    // else interleaved into scratch
     const uint8_t * group_at(const ggml_tensor * src0, const uint8_t * w, int64_t g, uint8_t * scratch) const {
-        if (!plain) {
+        const int64_t n_rows = std::min<int64_t>(GROUP, src0->ne[1] - g * GROUP);
+        if (!plain || (is_float(src0->type) && n_rows == GROUP)) {
             return w + g * group_bytes(src0->type, src0->ne[0]);
         }
-        const int64_t n_rows = std::min<int64_t>(GROUP, src0->ne[1] - g * GROUP);
         interleave_group(src0->type, w + g * GROUP * src0->nb[1], src0->nb[1], n_rows, src0->ne[0], scratch);
         return scratch;
     }
@@ -723,17 +942,22 @@ class exact_traits : public ggml::cpu::tensor_traits {
         return (uint8_t *) params->wdata + used + GGML_PAD(scratch_bytes(src0), 64) * (size_t) params->ith;
     }
 
-    // every row of src1 (ne11 x ne12 x ne13), quantized into wdata, rows split across threads
-    static void quantize_src1(const ggml_compute_params * params, const ggml_tensor * src1, uint8_t * wdata) {
+    // every row of src1 (ne11 x ne12 x ne13), quantized into wdata (copied, for F16 and BF16
+    // weights), rows split across threads
+    static void quantize_src1(const ggml_compute_params * params, ggml_type type, const ggml_tensor * src1, uint8_t * wdata) {
         const int64_t K  = src1->ne[0];
-        const size_t  rb = act_row_bytes(K);
+        const size_t  rb = act_row_bytes(type, K);
         const int64_t n  = src1->ne[1] * src1->ne[2] * src1->ne[3];
         for (int64_t i = params->ith; i < n; i += params->nth) {
             const int64_t i11 = i % src1->ne[1];
             const int64_t i12 = (i / src1->ne[1]) % src1->ne[2];
             const int64_t i13 = i / (src1->ne[1] * src1->ne[2]);
             const float * x = (const float *) ((const char *) src1->data + i11 * src1->nb[1] + i12 * src1->nb[2] + i13 * src1->nb[3]);
-            quantize_act(x, wdata + i * rb, K);
+            if (is_float(type)) {
+                memcpy(wdata + i * rb, x, (size_t) K * sizeof(float));
+            } else {
+                quantize_act(x, wdata + i * rb, K);
+            }
         }
     }
 
@@ -743,9 +967,9 @@ class exact_traits : public ggml::cpu::tensor_traits {
         const int64_t K = src0->ne[0], M = src0->ne[1];
         const int64_t ne11 = src1->ne[1], ne12 = src1->ne[2];
         const int64_t n  = ne11 * ne12 * src1->ne[3];
-        const size_t  rb = act_row_bytes(K);
+        const size_t  rb = act_row_bytes(src0->type, K);
         uint8_t * acts = (uint8_t *) params->wdata;
-        quantize_src1(params, src1, acts);
+        quantize_src1(params, src0->type, src1, acts);
         ggml_barrier(params->threadpool);
 
         uint8_t * scratch = scratch_of(params, src0, GGML_PAD(rb * (size_t) n, 64));
@@ -773,7 +997,7 @@ class exact_traits : public ggml::cpu::tensor_traits {
         const int64_t K = src0->ne[0], M = src0->ne[1], n_as = src0->ne[2];
         const int64_t ne11  = src1->ne[1];
         const int64_t n_ids = ids->ne[0], n_tokens = ids->ne[1];
-        const size_t  rb = act_row_bytes(K);
+        const size_t  rb = act_row_bytes(src0->type, K);
 
         uint8_t * acts = (uint8_t *) params->wdata;
         size_t used = GGML_PAD(rb * (size_t) (ne11 * src1->ne[2] * src1->ne[3]), 64);
@@ -782,7 +1006,7 @@ class exact_traits : public ggml::cpu::tensor_traits {
         mmid_pair * pairs = (mmid_pair *) ((char *) params->wdata + used);  // [n_as][n_ids * n_tokens]
         used += GGML_PAD(sizeof(mmid_pair) * (size_t) (n_as * n_ids * n_tokens), 64);
 
-        quantize_src1(params, src1, acts);
+        quantize_src1(params, src0->type, src1, acts);
         if (params->ith == 0) {
             memset(counts, 0, sizeof(int64_t) * (size_t) n_as);
             for (int64_t t = 0; t < n_tokens; ++t) {
@@ -929,12 +1153,15 @@ namespace ggml::cpu::exact {
 class extra_buffer_type : ggml::cpu::extra_buffer_type {
     bool supports_op(ggml_backend_dev_t, const ggml_tensor * op) override {
         const ggml_tensor * w = op->src[0];
+        // F16 and BF16 are computed in the file's layout: no copy of them is taken
         return (op->op == GGML_OP_MUL_MAT || op->op == GGML_OP_MUL_MAT_ID) && w->buffer && w->view_src == nullptr &&
-               w->buffer->buft == ggml_backend_cpu_exact_buffer_type() && w->ne[1] % GROUP == 0 && shape_ok(op);
+               w->buffer->buft == ggml_backend_cpu_exact_buffer_type() && w->ne[1] % GROUP == 0 && !is_float(w->type) &&
+               shape_ok(op);
     }
 
     // this buffer type's weights; and, in batch-invariant mode, the plain layout of the types it
-    // takes, so that either layout sums in the same order
+    // takes, so that either layout sums in the same order (F16 and BF16: at up to that mode's
+    // rows, the batches it holds to one-token rows; a prompt keeps llama.cpp's GEMM)
     ggml::cpu::tensor_traits * get_tensor_traits(const ggml_tensor * op) override {
         if (op->op != GGML_OP_MUL_MAT && op->op != GGML_OP_MUL_MAT_ID) {
             return nullptr;
@@ -943,9 +1170,13 @@ class extra_buffer_type : ggml::cpu::extra_buffer_type {
         if (w->buffer && w->buffer->buft == ggml_backend_cpu_exact_buffer_type()) {
             return &interleaved_traits;
         }
-        if (ggml_cpu_get_batch_invariant_rows() > 0 && w->buffer && ggml_backend_buft_is_host(w->buffer->buft) &&
-            !is_extra_buft(w->buffer->buft) && shape_ok(op)) {
-            return &plain_traits;
+        const int rows = ggml_cpu_get_batch_invariant_rows();
+        if (rows > 0 && w->buffer && ggml_backend_buft_is_host(w->buffer->buft) && !is_extra_buft(w->buffer->buft) &&
+            shape_ok(op)) {
+            const int64_t tokens = op->op == GGML_OP_MUL_MAT_ID ? op->src[2]->ne[1] : ggml_nrows(op->src[1]);
+            if (!is_float(w->type) || tokens <= rows) {
+                return &plain_traits;
+            }
         }
         return nullptr;
     }
