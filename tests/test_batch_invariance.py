@@ -74,6 +74,24 @@ def test_every_matmul_row_equals_one_row(type_name):
     assert checked >= 2  # at least the plain layout's MUL_MAT and MUL_MAT_ID
 
 
+@pytest.mark.parametrize("type_name", [t for t in OP_TYPES if t not in ("f16", "bf16")])
+def test_exact_rows_equal_one_row_at_prompt_batches(type_name):
+    """CPU_EXACT's quantized kernels sum every output in one order at any batch, not only up to
+    the verify sizes: a dense weight's rows of a 16-, 64- and 512-token matmul (register tiles of
+    8 tokens, several threads) are one-token matmuls' bits. F16 and BF16 prompts keep llama.cpp's
+    GEMM (above the batch-invariant rows), so they are held to this up to γ+1 only."""
+    ggml_type = int(GGMLQuantizationType[type_name.upper()])
+    buft = host_layout.cpu_buffer_types()[host_layout.EXACT_BUFT]
+    rng = np.random.default_rng(1)
+    n_in, n_out, n_max = 512, 64, 512
+    xs = rng.standard_normal((n_max, 1, n_in), dtype=np.float32)
+    single = np.concatenate([host_layout.matmul_output(ggml_type, n_in, n_out, 0, xs[i:i + 1], None, buft, 1)
+                             for i in range(n_max)])
+    for n in (16, 64, 512):
+        got = host_layout.matmul_output(ggml_type, n_in, n_out, 0, xs[:n], None, buft, 2)
+        assert got.tobytes() == single[:n].tobytes(), f"{type_name} CPU_EXACT MUL_MAT: n={n}"
+
+
 def verify_rows_match_decodes(model: Model, prompt: list[int], tokens: list[int], n_ctx: int = 128,
                               rollback: int = 0) -> None:
     """Logits of `tokens[:n]` decoded as one batch after `prompt`, n = 1..len(tokens), equal those
