@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.decoding.speculative import EXACT_ROWS  # noqa: E402
 from orchestrator.runtime import host_layout  # noqa: E402
 
-QUANTS = ("Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K", "Q5_K", "Q6_K")
+QUANTS = ("Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 FLOATS = ("F16", "BF16")
 BATCHES = (*range(1, 10), 16, 32)
 N_IN, N_OUT, N_EXPERT, N_USED = 512, 64, 8, 2

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not engine_built(), reason="needs the patched ll
 
 GAMMA_MAX = 8
 ROWS = GAMMA_MAX + 1  # the largest verify pass
-OP_TYPES = ("f16", "bf16", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4")
-FILE_TYPES = ("q4_0", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "mxfp4_moe")
+OP_TYPES = ("f16", "bf16", "q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4")
+FILE_TYPES = ("q4_0", "q8_0", "q2_k", "q3_k_m", "q4_k_m", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs", "mxfp4_moe")
 # rows of 256 (the K-quants' block) so that a K-quant file really holds K-quants; 8 | rows for repacking
 CFG = tiny_config("qwen3moe", n_layer=2, n_embd=256, n_expert=8, n_expert_used=2, n_ff_exp=256)
 

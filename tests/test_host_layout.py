@@ -349,7 +349,7 @@ def test_amx_mul_mat_equals_the_plain_kernel(type_name, request):
         assert np.abs(amx - plain).max() <= 1e-5 * np.abs(plain).max(), (type_name, m, b)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"])
 def test_exact_mul_mat_is_llama_cpps_product(type_name, request):
     """CPU_EXACT's kernels (the SIMD variant this build has) compute what llama.cpp's plain kernel
     does, to rounding: the batch-invariance tests hold every row to a one-row op, which a kernel

@@ -106,7 +106,7 @@ class SessionConfig:
     n_gpu_layers_draft: int = 0
     repack: Repack = option("--repack", default=Repack.AUTO, cli_type=str, check=one_of(Repack), help=(
         "host weights' layout: auto (per tensor type, measured on this CPU: the repacked layout, "
-        "spac's CPU_EXACT for Q4_0/Q8_0/IQ4_NL/IQ4_XS/MXFP4/Q4_K/Q5_K/Q6_K (F16/BF16 in place) and llama.cpp's for the rest, where it decodes faster, "
+        "spac's CPU_EXACT for Q4_0/Q8_0/IQ4_NL/IQ4_XS/MXFP4/Q2_K-Q6_K (F16/BF16 in place) and llama.cpp's for the rest, where it decodes faster, "
         "the file's plain layout for prompts where that is faster; a GPU run's experts: CPU_EXACT with plain twins "
         "for its prompts, or plain), on (each weight in the first layout that takes it, as llama.cpp's --repack 1: CPU_EXACT "
         "first; with a GPU as llama.cpp's --no-host, so a prompt's host experts run on the CPU), off (the file's layout); "

@@ -2,7 +2,7 @@
 CPU_EXACT for the types it takes, llama.cpp's CPU_REPACK for the others), chosen per tensor type
 and per phase from a measurement on this CPU (`--repack auto|on|off`, llama.cpp's flag name).
 
-CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, Q4_K, Q5_K, Q6_K) sums every output in one order at
+CPU_EXACT (patch 0029: Q4_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, Q2_K-Q6_K) sums every output in one order at
 every batch size, thread count and layout, and in batch-invariant mode (a session's default,
 `--exact`) the plain layout of those types takes the same kernels: for them the choice changes
 the speed, never the text. So a type CPU_EXACT takes is never given to CPU_REPACK or AMX, which round their own way.

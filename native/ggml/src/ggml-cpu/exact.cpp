@@ -17,7 +17,7 @@
 // case, threads split rows and tokens but never a sum, and the plain layout is interleaved 16 rows
 // at a time on the fly into the same kernel.
 //
-// K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS follow the same order per 32-weight block, their integer
+// K-quants (Q2_K to Q6_K) and IQ4_XS follow the same order per 32-weight block, their integer
 // sub-block scales and mins applied to the exact sums (see the kernels' comment below). MXFP4's
 // scale is a power of two (E8M0), so its product with the activations' fp16 scale is exact too.
 //
@@ -29,8 +29,8 @@
 // The interleaved layout puts 16 rows side by side: row r's 4 consecutive weights at bytes 4r..4r+3
 // of each 64-byte chunk (what one 512-bit dot-product instruction takes against 4 broadcast
 // activations), with the rows' scales beside them (`layout_info`). 4-bit values stay packed. For
-// Q4_0, Q8_0, IQ4_NL, MXFP4 and Q6_K the buffer is as large as the file's tensor; Q4_K, Q5_K and
-// IQ4_XS take 1.5-3% more (their 6-bit scales unpacked).
+// Q4_0, Q8_0, IQ4_NL, MXFP4, Q2_K and Q6_K the buffer is as large as the file's tensor; Q4_K, Q5_K,
+// Q3_K and IQ4_XS take 1.5-4% more (their 6-bit scales unpacked).
 
 #define GGML_COMMON_IMPL_CPP
 #define GGML_COMMON_DECL_CPP
@@ -58,10 +58,11 @@ constexpr int64_t QK    = 32;  // weights per block: the kernels' unit, a K-quan
 constexpr int64_t GROUP = 16;  // rows interleaved together
 
 // The interleaved layout of a type, per 16-row group: a header per super-block (16 fp16 scales, and
-// for Q4_K/Q5_K 16 fp16 mins), then per 32-weight block a unit: per-row integer scales (K-quants:
-// Q4_K/Q5_K's scale and min, Q6_K's two 16-weight scales, 16 bytes each; IQ4_XS's one scale), the
-// low nibbles (or Q8_0's bytes) in 64-byte chunks, and the high bits (Q5_K: one chunk, bit m for chunk register m; Q6_K:
-// two chunks, 2 bits per register).
+// for Q4_K/Q5_K/Q2_K 16 fp16 mins), then per 32-weight block a unit: per-row integer scales
+// (K-quants: Q4_K/Q5_K's scale and min, Q6_K's and Q3_K's two 16-weight scales, Q2_K's two scales
+// each with its min in the high nibble, 16 bytes each; IQ4_XS's one scale), the low nibbles (or
+// Q8_0's bytes; Q2_K/Q3_K: the low 2 bits in two chunks) in 64-byte chunks, and the high bits (Q5_K
+// and Q3_K: one chunk, bit m for chunk register m; Q6_K: two chunks, 2 bits per register).
 struct layout_info {
     int blocks;  // 32-weight blocks per super-block
     int header;  // bytes per super-block
@@ -80,6 +81,8 @@ constexpr layout_info info_of(ggml_type type) {
         case GGML_TYPE_Q4_K:   return { 8, 64, 32 + 256 };
         case GGML_TYPE_Q5_K:   return { 8, 64, 32 + 256 + 64 };
         case GGML_TYPE_Q6_K:   return { 8, 32, 32 + 256 + 128 };
+        case GGML_TYPE_Q3_K:   return { 8, 32, 32 + 128 + 64 };   // 2-bit chunks, then a chunk of third bits
+        case GGML_TYPE_Q2_K:   return { 8, 64, 32 + 128 };        // scale | min << 4 per 16 weights
         default:               return { 0, 0, 0 };
     }
 }
@@ -92,10 +95,26 @@ constexpr bool is_float(ggml_type type) { return type == GGML_TYPE_F16 || type =
 
 constexpr bool has_min(ggml_type type) { return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K; }
 
+// the header holds a second scale per row, for the mins (Q4_K, Q5_K, Q2_K)
+constexpr bool has_dmin(ggml_type type) { return has_min(type) || type == GGML_TYPE_Q2_K; }
+
+// a scale per 16 weights: two per 32-weight block (Q6_K, Q3_K signed; Q2_K's with a min each)
+constexpr bool has_half_scales(ggml_type type) {
+    return type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_Q2_K;
+}
+
+// 2-bit low parts: two 64-byte chunks, register m's 2 bits at bits 2 (m % 4) of chunk m / 4
+constexpr bool has_two_bits(ggml_type type) { return type == GGML_TYPE_Q2_K || type == GGML_TYPE_Q3_K; }
+
+// what the sum of each half of 16 takes off the stored values (Q6_K's and Q3_K's offset)
+constexpr int32_t half_offset(ggml_type type) {
+    return type == GGML_TYPE_Q6_K ? 32 : type == GGML_TYPE_Q3_K ? 4 : 0;
+}
+
 // bytes of integer scales at the start of a unit: 16 rows' scale (IQ4_XS), and their min (Q4_K,
-// Q5_K) or second scale (Q6_K)
+// Q5_K) or second scale (Q6_K, Q3_K, Q2_K)
 constexpr int scale_bytes(ggml_type type) {
-    return type == GGML_TYPE_IQ4_XS ? 16 : (has_min(type) || type == GGML_TYPE_Q6_K) ? 32 : 0;
+    return type == GGML_TYPE_IQ4_XS ? 16 : (has_min(type) || has_half_scales(type)) ? 32 : 0;
 }
 
 // the weight values are a table's, looked up by 4-bit index
@@ -221,13 +240,15 @@ void scale_min_k4(const uint8_t * sc, int j, uint8_t & scale, uint8_t & min) {
 // row r of a 16-row group: one super-block of the file at src, into the group's super-block at h
 void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h) {
     const layout_info I = info_of(type);
+    const size_t d_at = type == GGML_TYPE_Q6_K ? offsetof(block_q6_K, d) : type == GGML_TYPE_Q3_K ? offsetof(block_q3_K, d)
+                      : type == GGML_TYPE_Q2_K ? offsetof(block_q2_K, qs) + sizeof(block_q2_K::qs) : 0;  // Q2_K: d, dmin after qs
     if (type == GGML_TYPE_MXFP4) {
         h[r] = src[offsetof(block_mxfp4, e)];
     } else {
-        memcpy(h + 2 * r, type == GGML_TYPE_Q6_K ? src + offsetof(block_q6_K, d) : src, 2);  // d
+        memcpy(h + 2 * r, src + d_at, 2);  // d
     }
-    if (has_min(type)) {
-        memcpy(h + 32 + 2 * r, src + 2, 2);  // dmin, after d
+    if (has_dmin(type)) {
+        memcpy(h + 32 + 2 * r, src + d_at + 2, 2);  // dmin, after d
     }
     uint8_t * u = h + I.header;
     switch (type) {
@@ -271,6 +292,42 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
                         bits |= ((load32(qh + 4 * m) >> j) & 0x01010101) << m;
                     }
                     store32(u + 32 + 256 + 4 * r, bits);
+                }
+            }
+        } break;
+        case GGML_TYPE_Q2_K:
+        case GGML_TYPE_Q3_K: {
+            // block j = 4 half + shift: weight k's low bits are bits 2 shift of qs[32 half + k]
+            // (Q3_K: its third bit is bit j of hmask[k]); sub-blocks 2j and 2j + 1 are its halves
+            const bool      q3 = type == GGML_TYPE_Q3_K;
+            const uint8_t * qs = src + (q3 ? offsetof(block_q3_K, qs) : offsetof(block_q2_K, qs));
+            int8_t sc3[16];
+            if (q3) {  // the 16 6-bit scales, unpacked as dequantize_row_q3_K does
+                const uint8_t * p = ((const block_q3_K *) src)->scales;
+                for (int i = 0; i < 16; ++i) {
+                    const int low  = i < 8 ? p[i] & 0x0F : p[i - 8] >> 4;
+                    const int high = (p[8 + i % 4] >> (2 * (i / 4))) & 3;
+                    sc3[i] = (int8_t) ((low | high << 4) - 32);
+                }
+            }
+            for (int j = 0; j < 8; ++j, u += I.unit) {
+                for (int half = 0; half < 2; ++half) {
+                    u[16 * half + r] = q3 ? (uint8_t) sc3[2 * j + half] : ((const block_q2_K *) src)->scales[2 * j + half];
+                }
+                for (int c = 0; c < 2; ++c) {  // chunk c: registers 4c..4c+3, 2 bits each
+                    uint32_t bits = 0;
+                    for (int m = 0; m < 4; ++m) {
+                        bits |= ((load32(qs + 32 * (j / 4) + 4 * (4 * c + m)) >> (2 * (j % 4))) & 0x03030303) << (2 * m);
+                    }
+                    store32(u + 32 + 64 * c + 4 * r, bits);
+                }
+                if (q3) {  // register m's third bit at bit m
+                    const uint8_t * hm = ((const block_q3_K *) src)->hmask;
+                    uint32_t bits = 0;
+                    for (int m = 0; m < 8; ++m) {
+                        bits |= ((load32(hm + 4 * m) >> j) & 0x01010101) << m;
+                    }
+                    store32(u + 32 + 128 + 4 * r, bits);
                 }
             }
         } break;
@@ -332,7 +389,8 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
 //   Q4_0, Q8_0, IQ4_NL, MXFP4  acc = fma(A - off (S0 + S1), d dx, acc)     signed values: off = 0
 //   IQ4_XS                     acc = fma(sc (A - off (S0 + S1)), d dx, acc)
 //   Q4_K, Q5_K                 acc = fma(sc A, d dx, acc); acc = fma(mn (S0 + S1), -dmin dx, acc)
-//   Q6_K                       acc = fma(sc0 (A0 - 32 S0) + sc1 (A1 - 32 S1), d dx, acc)
+//   Q6_K, Q3_K                 acc = fma(sc0 (A0 - off S0) + sc1 (A1 - off S1), d dx, acc)   off 32, 4
+//   Q2_K                       acc = fma(sc0 A0 + sc1 A1, d dx, acc); acc = fma(mn0 S0 + mn1 S1, -dmin dx, acc)
 // The integer terms are exact in int32 and so are the products of two fp16 values in float (and of
 // MXFP4's power of two and an fp16 value).
 
@@ -344,7 +402,8 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
         case GGML_TYPE_IQ4_NL:
         case GGML_TYPE_IQ4_XS:
         case GGML_TYPE_MXFP4:  return table_of(type)[stored];
-        case GGML_TYPE_Q6_K:   return stored - 32;
+        case GGML_TYPE_Q6_K:
+        case GGML_TYPE_Q3_K:   return stored - half_offset(type);
         default:               return stored;
     }
 }
@@ -354,6 +413,10 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
     const int m = k / 4, i = k % 4;
     if (type == GGML_TYPE_Q8_0) {
         return u[64 * m + 4 * r + i];
+    }
+    if (has_two_bits(type)) {
+        const int v = (u[64 * (m / 4) + 4 * r + i] >> (2 * (m % 4))) & 3;
+        return type == GGML_TYPE_Q3_K ? v | ((u[128 + 4 * r + i] >> m) & 1) << 2 : v;
     }
     int v = (u[64 * (m % 4) + 4 * r + i] >> (m < 4 ? 0 : 4)) & 0x0F;
     if (type == GGML_TYPE_Q5_K) {
@@ -431,12 +494,20 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                 }
                 const __m512 d = row_scales<TYPE>(h);
                 __m512 neg_dmin = _mm512_setzero_ps();
-                if constexpr (has_min(TYPE)) {
+                if constexpr (has_dmin(TYPE)) {
                     neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (h + 32))));
                 }
                 __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
+                __m512i mn0 = _mm512_setzero_si512(), mn1 = _mm512_setzero_si512();  // Q2_K's mins
                 const uint8_t * qp = u + scale_bytes(TYPE);
-                if constexpr (has_min(TYPE)) {
+                if constexpr (TYPE == GGML_TYPE_Q2_K) {  // scale | min << 4
+                    const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) u));
+                    const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
+                    sc0 = _mm512_and_si512(b0, _mm512_set1_epi32(0x0F));
+                    sc1 = _mm512_and_si512(b1, _mm512_set1_epi32(0x0F));
+                    mn0 = _mm512_srli_epi32(b0, 4);
+                    mn1 = _mm512_srli_epi32(b1, 4);
+                } else if constexpr (has_min(TYPE)) {
                     sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) u));
                     sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
                 } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's two, IQ4_XS's one
@@ -449,6 +520,18 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                 if constexpr (TYPE == GGML_TYPE_Q8_0) {
                     for (int m = 0; m < 8; ++m) {
                         q[m] = _mm512_xor_si512(_mm512_loadu_si512(qp + 64 * m), _mm512_set1_epi8((char) 0x80));
+                    }
+                } else if constexpr (has_two_bits(TYPE)) {
+                    const __m512i lo[2] = { _mm512_loadu_si512(qp), _mm512_loadu_si512(qp + 64) };
+                    for (int m = 0; m < 8; ++m) {
+                        q[m] = _mm512_and_si512(_mm512_srli_epi16(lo[m / 4], 2 * (m % 4)), _mm512_set1_epi8(3));
+                    }
+                    if constexpr (TYPE == GGML_TYPE_Q3_K) {
+                        const __m512i hb = _mm512_loadu_si512(qp + 128);
+                        for (int m = 0; m < 8; ++m) {
+                            const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(hb, m), _mm512_set1_epi8(1));
+                            q[m] = _mm512_or_si512(q[m], _mm512_slli_epi16(bit, 2));
+                        }
                     }
                 } else {
                     for (int m = 0; m < 4; ++m) {
@@ -485,11 +568,16 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                         a1 = _mm512_dpbusd_epi32(a1, q[m + 4], _mm512_set1_epi32(xq[m + 4]));
                     }
                     __m512 & out = acc[c][t];
-                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
-                        a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(32 * s0));
-                        a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(32 * s1));
+                    if constexpr (has_half_scales(TYPE)) {
+                        a0 = _mm512_sub_epi32(a0, _mm512_set1_epi32(half_offset(TYPE) * s0));
+                        a1 = _mm512_sub_epi32(a1, _mm512_set1_epi32(half_offset(TYPE) * s1));
                         const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(a0, sc0), _mm512_mullo_epi32(a1, sc1));
                         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
+                        if constexpr (TYPE == GGML_TYPE_Q2_K) {
+                            const __m512i mins = _mm512_add_epi32(_mm512_mullo_epi32(mn0, _mm512_set1_epi32(s0)),
+                                                                  _mm512_mullo_epi32(mn1, _mm512_set1_epi32(s1)));
+                            out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(neg_dmin, _mm512_set1_ps(x[t].d[b])), out);
+                        }
                     } else if constexpr (has_min(TYPE)) {
                         const __m512i isum = _mm512_mullo_epi32(_mm512_add_epi32(a0, a1), sc0);
                         out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd, out);
@@ -554,12 +642,20 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
             for (int h = 0; h < 2; ++h) {
                 const __m256 d = row_scales<TYPE>(hdr, h);
                 __m256 neg_dmin = _mm256_setzero_ps();
-                if constexpr (has_min(TYPE)) {
+                if constexpr (has_dmin(TYPE)) {
                     neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (hdr + 32 + 16 * h))));
                 }
                 __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
+                __m256i mn0 = _mm256_setzero_si256(), mn1 = _mm256_setzero_si256();  // Q2_K's mins
                 const uint8_t * qp = w + scale_bytes(TYPE);
-                if constexpr (has_min(TYPE)) {
+                if constexpr (TYPE == GGML_TYPE_Q2_K) {  // scale | min << 4
+                    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
+                    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
+                    sc0 = _mm256_and_si256(b0, _mm256_set1_epi32(0x0F));
+                    sc1 = _mm256_and_si256(b1, _mm256_set1_epi32(0x0F));
+                    mn0 = _mm256_srli_epi32(b0, 4);
+                    mn1 = _mm256_srli_epi32(b1, 4);
+                } else if constexpr (has_min(TYPE)) {
                     sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
                     sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
                 } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's two, IQ4_XS's one
@@ -572,6 +668,18 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                 if constexpr (TYPE == GGML_TYPE_Q8_0) {
                     for (int m = 0; m < 8; ++m) {
                         q[m] = _mm256_loadu_si256((const __m256i *) (qp + 64 * m + 32 * h));
+                    }
+                } else if constexpr (has_two_bits(TYPE)) {
+                    for (int m = 0; m < 8; ++m) {
+                        const __m256i lo = _mm256_loadu_si256((const __m256i *) (qp + 64 * (m / 4) + 32 * h));
+                        q[m] = _mm256_and_si256(_mm256_srli_epi16(lo, 2 * (m % 4)), _mm256_set1_epi8(3));
+                    }
+                    if constexpr (TYPE == GGML_TYPE_Q3_K) {
+                        const __m256i hb = _mm256_loadu_si256((const __m256i *) (qp + 128 + 32 * h));
+                        for (int m = 0; m < 8; ++m) {
+                            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, m), _mm256_set1_epi8(1));
+                            q[m] = _mm256_or_si256(q[m], _mm256_slli_epi16(bit, 2));
+                        }
                     }
                 } else {
                     for (int m = 0; m < 4; ++m) {
@@ -608,11 +716,16 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                                                      : _mm256_maddubs_epi16(q[m], xb);
                         a[m / 4] = _mm256_add_epi32(a[m / 4], _mm256_madd_epi16(p, ones));
                     }
-                    if constexpr (TYPE == GGML_TYPE_Q6_K) {
-                        const __m256i a0 = _mm256_sub_epi32(a[0], _mm256_set1_epi32(32 * s0));
-                        const __m256i a1 = _mm256_sub_epi32(a[1], _mm256_set1_epi32(32 * s1));
+                    if constexpr (has_half_scales(TYPE)) {
+                        const __m256i a0 = _mm256_sub_epi32(a[0], _mm256_set1_epi32(half_offset(TYPE) * s0));
+                        const __m256i a1 = _mm256_sub_epi32(a[1], _mm256_set1_epi32(half_offset(TYPE) * s1));
                         const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(a0, sc0), _mm256_mullo_epi32(a1, sc1));
                         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
+                        if constexpr (TYPE == GGML_TYPE_Q2_K) {
+                            const __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(mn0, _mm256_set1_epi32(s0)),
+                                                                  _mm256_mullo_epi32(mn1, _mm256_set1_epi32(s1)));
+                            acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(neg_dmin, _mm256_set1_ps(x[t].d[b])), acc[t][h]);
+                        }
                     } else if constexpr (has_min(TYPE)) {
                         const __m256i isum = _mm256_mullo_epi32(_mm256_add_epi32(a[0], a[1]), sc0);
                         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
@@ -652,7 +765,7 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
             const uint8_t * p = w;
             for (int64_t s = 0; s < n_sb; ++s) {
                 const float d = TYPE == GGML_TYPE_MXFP4 ? GGML_E8M0_TO_FP32_HALF(p[r]) : GGML_CPU_FP16_TO_FP32(((const ggml_half *) p)[r]);
-                const float dmin = has_min(TYPE) ? GGML_CPU_FP16_TO_FP32(((const ggml_half *) (p + 32))[r]) : 0.0f;
+                const float dmin = has_dmin(TYPE) ? GGML_CPU_FP16_TO_FP32(((const ggml_half *) (p + 32))[r]) : 0.0f;
                 p += I.header;
                 for (int j = 0; j < I.blocks; ++j, p += I.unit) {
                     const int64_t b = s * I.blocks + j;
@@ -663,9 +776,12 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                     }
                     const int32_t s0 = x[t].s16[2 * b], s1 = x[t].s16[2 * b + 1];
                     const float   dx = x[t].d[b];
-                    if (TYPE == GGML_TYPE_Q6_K) {  // value_in_sum took the 32 off already
+                    if (TYPE == GGML_TYPE_Q6_K || TYPE == GGML_TYPE_Q3_K) {  // value_in_sum took the offset off already
                         const int32_t isum = (int8_t) p[r] * a[0] + (int8_t) p[16 + r] * a[1];
                         acc = fmaf((float) isum, d * dx, acc);
+                    } else if (TYPE == GGML_TYPE_Q2_K) {
+                        acc = fmaf((float) ((p[r] & 15) * a[0] + (p[16 + r] & 15) * a[1]), d * dx, acc);
+                        acc = fmaf((float) ((p[r] >> 4) * s0 + (p[16 + r] >> 4) * s1), -dmin * dx, acc);
                     } else if (has_min(TYPE)) {
                         acc = fmaf((float) (p[r] * (a[0] + a[1])), d * dx, acc);
                         acc = fmaf((float) (p[16 + r] * (s0 + s1)), -dmin * dx, acc);
@@ -848,6 +964,8 @@ void run_tile(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t
         case GGML_TYPE_Q4_K:   tile<GGML_TYPE_Q4_K>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q5_K:   tile<GGML_TYPE_Q5_K>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q6_K:   tile<GGML_TYPE_Q6_K>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_Q3_K:   tile<GGML_TYPE_Q3_K>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_Q2_K:   tile<GGML_TYPE_Q2_K>(w, gstride, G, K, T, x, y); break;
         default: GGML_ABORT("CPU_EXACT: type %s", ggml_type_name(type));
     }
 }
