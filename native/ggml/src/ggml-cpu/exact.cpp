@@ -510,7 +510,7 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                 } else if constexpr (has_min(TYPE)) {
                     sc0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) u));
                     sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
-                } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's two, IQ4_XS's one
+                } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's and Q3_K's two, IQ4_XS's one
                     sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) u));
                     if constexpr (scale_bytes(TYPE) == 32) {
                         sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (u + 16)));
@@ -658,7 +658,7 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                 } else if constexpr (has_min(TYPE)) {
                     sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
                     sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
-                } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's two, IQ4_XS's one
+                } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's and Q3_K's two, IQ4_XS's one
                     sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 8 * h)));
                     if constexpr (scale_bytes(TYPE) == 32) {
                         sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h)));
