@@ -385,3 +385,16 @@ def test_dense_weights_keep_llama_cpps_repacked_layout_unless_slower_and_need_a_
     assert host_layout.dense_layout(ms(1.0, 0.9, 0.85)) == "CPU_REPACK"  # AMX 1.18x: under its margin
     assert host_layout.dense_layout(ms(1.0, 0.9, 0.7)) == "AMX"
     assert host_layout.dense_layout({"CPU": [1.0, 1.0, 1.0], "AMX": [0.9, 0.9, 1.0]}) == "CPU"
+
+
+def test_a_decode_timing_reads_its_weights_from_memory(monkeypatch):
+    """`--repack auto` times a decode batch over copies of the weight that read together at
+    least twice the last-level cache (a real decode streams its weights; a few MB timed again and
+    again would run from the cache), at most COLD_MAX_COPIES; one copy where the weight alone is
+    that large."""
+    monkeypatch.setattr(host_layout, "last_level_cache_bytes", lambda: 32 << 20)
+    for weight, touched in ((1 << 20, 1.0), (7 << 20, 0.25), (28 << 20, 0.25), (5 << 20, 1.0)):
+        n = host_layout.cold_copies(weight, touched)
+        assert n * weight * touched >= 2 * (32 << 20) and (n - 1) * weight * touched < 2 * (32 << 20)
+    assert host_layout.cold_copies(1 << 10) == host_layout.COLD_MAX_COPIES
+    assert host_layout.cold_copies(1 << 30) == 1

@@ -32,8 +32,8 @@ The micro-benchmark speaks ggml's public C API through ctypes (the libraries lla
 a weight in the layout's buffer type, F32 activations, a graph of one MUL_MAT_ID on the CPU
 backend. A layout that does not take a tensor (type or row count) is reported as such.
 
-Why ~750 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
-needs (buffer types, one MUL_MAT_ID graph), the timing, its per-CPU cache, the loader's question
+Why ~820 lines: the choice is made from measurements, so the ggml bindings the micro-benchmark
+needs (buffer types, one MUL_MAT_ID graph), the timing (weights out of cache), its per-CPU cache, the loader's question
 per weight and the choice per type and phase sit together; llama.cpp is told the choice in llm.py.
 """
 

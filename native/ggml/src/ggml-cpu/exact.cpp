@@ -526,11 +526,11 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                     for (int m = 0; m < 8; ++m) {
                         q[m] = _mm512_and_si512(_mm512_srli_epi16(lo[m / 4], 2 * (m % 4)), _mm512_set1_epi8(3));
                     }
-                    if constexpr (TYPE == GGML_TYPE_Q3_K) {
+                    if constexpr (TYPE == GGML_TYPE_Q3_K) {  // the third bit as a byte mask: 4 added where set
                         const __m512i hb = _mm512_loadu_si512(qp + 128);
                         for (int m = 0; m < 8; ++m) {
-                            const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(hb, m), _mm512_set1_epi8(1));
-                            q[m] = _mm512_or_si512(q[m], _mm512_slli_epi16(bit, 2));
+                            const __mmask64 set = _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char) (1 << m)));
+                            q[m] = _mm512_mask_add_epi8(q[m], set, q[m], _mm512_set1_epi8(4));
                         }
                     }
                 } else {
