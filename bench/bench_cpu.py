@@ -114,9 +114,9 @@ def decode_rates(path: Path, threads: int) -> list[dict]:
         n_expert = min(ne[2], host_layout.MAX_BENCH_EXPERTS) if len(ne) > 2 else 0
         n_used = min(weights.n_used, n_expert) if n_expert else 1
         read = g["row_size"](ggml_type, n_in) * n_out * n_used  # one token reads its experts' rows
+        op = host_layout.MUL_MAT_ID if n_expert else host_layout.MUL_MAT
+        shape = (n_in, n_out, n_expert) if n_expert else (n_in, n_out)
         for buft_name, buft in host_layout.cpu_buffer_types().items():
-            op = host_layout.MUL_MAT_ID if n_expert else host_layout.MUL_MAT
-            shape = (n_in, n_out, n_expert) if n_expert else (n_in, n_out)
             if not host_layout.supports(ggml_type, shape, buft, op, n_used):
                 continue
             t = host_layout.time_matmul(ggml_type, n_in, n_out, n_expert, n_used, 1, buft, threads)

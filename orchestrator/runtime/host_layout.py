@@ -317,8 +317,9 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
         g["free"](ctx_w)
 
 
+@functools.lru_cache(maxsize=1)
 def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size (sysfs), or 64 MiB where it is not told."""
+    """The largest CPU cache's size (sysfs, read once), or 64 MiB where it is not told."""
     sizes = []
     for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         m = re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip())

@@ -903,8 +903,8 @@ void float_rows(const uint8_t * w, int64_t row_bytes, int64_t K, const act_row *
 }
 
 // G groups of 16 rows for T tokens, rows a few at a time: enough independent sums in flight
-template <ggml_type TYPE, int T>
-void float_groups(const uint8_t * w, int64_t gstride, int G, int64_t K, const act_row * x, float * y) {
+template <ggml_type TYPE, int G, int T>
+void float_groups(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x, float * y) {
     constexpr int R = T == 1 ? 4 : T == 2 ? 2 : 1;
     const int64_t row_bytes = gstride / GROUP;
     for (int c = 0; c < G; ++c) {
@@ -914,18 +914,13 @@ void float_groups(const uint8_t * w, int64_t gstride, int G, int64_t K, const ac
     }
 }
 
-template <ggml_type TYPE>
-void float_tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
-    switch (T) {
-        case 1: float_groups<TYPE, 1>(w, gstride, G, K, x, y); break;
-        case 2: float_groups<TYPE, 2>(w, gstride, G, K, x, y); break;
-        case 3: float_groups<TYPE, 3>(w, gstride, G, K, x, y); break;
-        case 4: float_groups<TYPE, 4>(w, gstride, G, K, x, y); break;
-        case 5: float_groups<TYPE, 5>(w, gstride, G, K, x, y); break;
-        case 6: float_groups<TYPE, 6>(w, gstride, G, K, x, y); break;
-        case 7: float_groups<TYPE, 7>(w, gstride, G, K, x, y); break;
-        case 8: float_groups<TYPE, 8>(w, gstride, G, K, x, y); break;
-        default: GGML_ABORT("CPU_EXACT: tile of %d tokens", T);
+// G groups for T tokens: the quantized types' kernel, or F16/BF16's
+template <ggml_type TYPE, int G, int T>
+void groups_kernel(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x, float * y) {
+    if constexpr (is_float(TYPE)) {
+        float_groups<TYPE, G, T>(w, gstride, K, x, y);
+    } else {
+        tile_simd<TYPE, G, T>(w, gstride, K, x, y);
     }
 }
 
@@ -935,19 +930,19 @@ constexpr int GEMV_GROUPS = 4;
 template <ggml_type TYPE>
 void tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
     if (G == GEMV_GROUPS && T == 1) {
-        tile_simd<TYPE, GEMV_GROUPS, 1>(w, gstride, K, x, y);
+        groups_kernel<TYPE, GEMV_GROUPS, 1>(w, gstride, K, x, y);
         return;
     }
     GGML_ASSERT(G == 1);
     switch (T) {
-        case 1: tile_simd<TYPE, 1, 1>(w, gstride, K, x, y); break;
-        case 2: tile_simd<TYPE, 1, 2>(w, gstride, K, x, y); break;
-        case 3: tile_simd<TYPE, 1, 3>(w, gstride, K, x, y); break;
-        case 4: tile_simd<TYPE, 1, 4>(w, gstride, K, x, y); break;
-        case 5: tile_simd<TYPE, 1, 5>(w, gstride, K, x, y); break;
-        case 6: tile_simd<TYPE, 1, 6>(w, gstride, K, x, y); break;
-        case 7: tile_simd<TYPE, 1, 7>(w, gstride, K, x, y); break;
-        case 8: tile_simd<TYPE, 1, 8>(w, gstride, K, x, y); break;
+        case 1: groups_kernel<TYPE, 1, 1>(w, gstride, K, x, y); break;
+        case 2: groups_kernel<TYPE, 1, 2>(w, gstride, K, x, y); break;
+        case 3: groups_kernel<TYPE, 1, 3>(w, gstride, K, x, y); break;
+        case 4: groups_kernel<TYPE, 1, 4>(w, gstride, K, x, y); break;
+        case 5: groups_kernel<TYPE, 1, 5>(w, gstride, K, x, y); break;
+        case 6: groups_kernel<TYPE, 1, 6>(w, gstride, K, x, y); break;
+        case 7: groups_kernel<TYPE, 1, 7>(w, gstride, K, x, y); break;
+        case 8: groups_kernel<TYPE, 1, 8>(w, gstride, K, x, y); break;
         default: GGML_ABORT("CPU_EXACT: tile of %d tokens", T);
     }
 }
@@ -959,8 +954,8 @@ void run_tile(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t
         case GGML_TYPE_IQ4_NL: tile<GGML_TYPE_IQ4_NL>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_IQ4_XS: tile<GGML_TYPE_IQ4_XS>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_MXFP4:  tile<GGML_TYPE_MXFP4>(w, gstride, G, K, T, x, y); break;
-        case GGML_TYPE_F16:    float_tile<GGML_TYPE_F16>(w, gstride, G, K, T, x, y); break;
-        case GGML_TYPE_BF16:   float_tile<GGML_TYPE_BF16>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_F16:    tile<GGML_TYPE_F16>(w, gstride, G, K, T, x, y); break;
+        case GGML_TYPE_BF16:   tile<GGML_TYPE_BF16>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q4_K:   tile<GGML_TYPE_Q4_K>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q5_K:   tile<GGML_TYPE_Q5_K>(w, gstride, G, K, T, x, y); break;
         case GGML_TYPE_Q6_K:   tile<GGML_TYPE_Q6_K>(w, gstride, G, K, T, x, y); break;
