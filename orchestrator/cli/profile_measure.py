@@ -30,6 +30,9 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
     copy                  the copy engine's busy time per byte while it filled the pool
     draft                 single-token decodes of the draft on the host (its routing exported,
                           as the live loop does), per token and per byte it reads
+    disk                  sequential read rate, 4 KiB read latency and the reads in flight the
+                          rate needs (sim/disk.py: `measure_disk`), on --disk-file or a 512 MiB
+                          file written beside the profile and deleted after
     every context holds at least 256 cells, the attention window of any run with fewer than 256
     tokens in its cache; the time still grows with the tokens in it (masked cells cost little)
 
@@ -69,6 +72,7 @@ from orchestrator.gguf_files.gguf_export import byte_level_bpe_tokenizer, write_
 from orchestrator.gguf_files.synthetic_models import PRESETS, synthetic_tensors
 from orchestrator.policies.plan import Plan
 from orchestrator.sim import profiles
+from orchestrator.sim.disk import measure_disk, write_measure_file
 from orchestrator.sim.profiles import MeasuredProfile
 
 TOKENS = (1, 2, 4, 9)  # verify batch sizes: γ + 1 for γ = 0, 1, 3, 8
@@ -404,9 +408,12 @@ def measure_draft(path: Path, n_threads: int, rng: np.random.Generator, n: int =
 
 def measure_to_file(out: Path, gguf: Path | None, device: str | None, n_threads: int, draft: Path | None,
                     rpc_threads: int = 1, tokens=TOKENS, repeats: int = 3, name: str = "",
-                    progress: Callable[[str], None] = lambda s: None) -> MeasuredProfile:
+                    progress: Callable[[str], None] = lambda s: None, disk_file: Path | None = None,
+                    disk: bool = True) -> MeasuredProfile:
     """`spac sim profile measure`: measure and write `out`. device "rpc" starts an RPC server on
-    127.0.0.1 with rpc_threads threads for the duration (the test machine's stand-in GPU)."""
+    127.0.0.1 with rpc_threads threads for the duration (the test machine's stand-in GPU). The
+    disk: timed on `disk_file`, else on a file written beside `out` (the disk a model would be
+    read from, rather than a /tmp that may be in memory); disk=False: not measured."""
     with ExitStack() as stack:
         if device == "rpc":
             device = stack.enter_context(rpc_device(n_threads=rpc_threads))
@@ -415,6 +422,14 @@ def measure_to_file(out: Path, gguf: Path | None, device: str | None, n_threads:
             progress("writing a synthetic Qwen3-30B-A3B-shaped model (4 layers, 16 experts, Q4_0)")
             gguf = synthetic_model(tmp)
         prof = measure(gguf, device, n_threads, draft, tokens=tokens, repeats=repeats, name=name, progress=progress)
+        if disk:
+            if disk_file is None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=out.parent)))
+                progress("writing a 512 MiB file to time the disk")
+                disk_file = write_measure_file(scratch / "disk.bin")
+            progress(f"disk: reading {disk_file}")
+            prof = replace(prof, disk=measure_disk(disk_file))
     comment = (f"spac measured hardware profile: {prof.name}\n"
                f"measured {prof.measured_at} on {prof.measured_with}; device {prof.device}"
                + (f" ({rpc_threads} server thread(s))" if str(prof.device).startswith("RPC") else ""))
@@ -434,10 +449,15 @@ def measure_cmd(
     draft: Optional[Path] = typer.Option(None, "-md", "--model-draft", help="time this draft's tokens too"),
     repeats: int = typer.Option(3, "--repeats", help="timed passes per point (medians)"),
     name: str = typer.Option("", "--name", help="the profile's name [default: CPU + device]"),
+    disk_file: Optional[Path] = typer.Option(None, "--disk-file", help="time the disk that holds this file (some "
+                                             "hundred MiB or more) [default: a 512 MiB file written beside the "
+                                             "profile, deleted after]"),
+    no_disk: bool = typer.Option(False, "--no-disk", help="do not time the disk"),
 ) -> None:
     """Measure this machine (host and pool device) and write a hardware profile for `spac sim
     run --hardware FILE`: expert matmul rates by batch size on both sides, the crossing, the
-    non-expert part of a pass, copy bandwidth, the draft's cost per token."""
+    non-expert part of a pass, copy bandwidth, the draft's cost per token, and the disk (read rate,
+    latency, queue depth) for models larger than the host RAM."""
     if device is None:
         gpu = first_gpu()
         device = gpu.name if gpu is not None else "CPU"
@@ -448,11 +468,15 @@ def measure_cmd(
 
     try:
         prof = measure_to_file(out, gguf, None if device.upper() == "CPU" else device, threads, draft,
-                               rpc_threads=rpc_threads, repeats=repeats, name=name, progress=progress)
+                               rpc_threads=rpc_threads, repeats=repeats, name=name, progress=progress,
+                               disk_file=disk_file, disk=not no_disk)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"spac: error: {e}", file=sys.stderr)
         raise typer.Exit(code=2) from None
     print(f"wrote {out} in {time.monotonic() - t0:.0f} s: {prof.name}")
+    if prof.disk is not None:
+        print(f"  disk: {prof.disk.read_bytes_per_s / 1e9:.2f} GB/s, {1e6 * prof.disk.latency_s:.0f} µs per 4 KiB "
+              f"read, {prof.disk.queue_depth} reads in flight for the rate")
     for k, v in prof.check.items():
         if k.endswith("_predicted_s") and f"tokens_{k.split('_')[1]}_measured_s" in prof.check:
             n = k.split("_")[1]

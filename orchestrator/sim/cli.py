@@ -13,8 +13,11 @@ experiments themselves are in experiments.py, the prefill model in prefill.py.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
+from dataclasses import replace
 from typing import List, Optional
 
 import numpy as np
@@ -64,6 +67,35 @@ QuantOpt = typer.Option("Q4_K", "--quant", help="weight format of the target (Q4
 VisibilityOpt = typer.Option("pass", "--visibility", help="'pass' (engine: maps per ubatch) or 'layer' (paper Fig. 3)")
 PolicyOpt = typer.Option(None, "--policy", "-p", help="policy (repeatable); default: all")
 OutOpt = typer.Option(None, "--out", help="directory for PNG plots and JSON results")
+HostRamOpt = typer.Option(None, "--host-ram", help="host RAM the run may use (24GiB, 32G, bytes): the experts that "
+                          "do not fit after the non-expert weights, the KV caches and a 1 GiB margin are read from "
+                          "the disk [default: unlimited, every expert in RAM]")
+DiskOpt = typer.Option(None, "--disk", help="the disk below the host RAM, a preset of hardware.toml's [disks] "
+                       "(nvme-pcie3, nvme-pcie4) [default: the hardware profile's own, else nvme-pcie4]")
+SIZE_UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+              "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def _usage_error(message: str) -> None:
+    """One line `spac: error: ...` and exit 2, as the main CLI's bad input."""
+    sys.stderr.write(f"spac: error: {message}\n")
+    raise typer.Exit(code=2)
+
+
+def _host_ram(text: Optional[str]) -> Optional[float]:
+    """--host-ram: "24GiB", "32G", "500M", a plain byte count; None: unlimited."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)([KMGT]?I?)B?", text.strip().upper().replace(" ", ""))
+    if not m or float(m.group(1)) <= 0:
+        _usage_error(f"--host-ram {text!r}: give a size in bytes (24GiB, 32G, 500M or a byte count)")
+    return float(m.group(1)) * SIZE_UNITS[m.group(2)]
+
+
+def _disk_key(key: Optional[str]) -> Optional[str]:
+    if key is not None and key not in profiles.disk_presets():
+        _usage_error(f"--disk {key!r}: not a disk of hardware.toml; known: {', '.join(profiles.disk_presets())}")
+    return key
 
 
 def _config(hardware, model, draft, ratio, visibility, quant="Q4_K", trace: Trace | None = None) -> SimConfig:
@@ -222,21 +254,27 @@ def profile_show_cmd(path: Path = typer.Argument(..., help="a measured profile (
     console.print(f"copy {p.copy_bytes_per_s / 1e9:.2f} GB/s + {1e6 * p.copy_latency_s:.0f} µs; crossing "
                   f"{1e3 * p.crossing_s:.2f} ms per split layer; draft {1e3 * p.draft_s_per_token:.2f} ms per token "
                   f"({p.draft_file or '-'}); device memory {p.vram_GB:.1f} GB")
+    if p.disk is not None:
+        console.print(f"disk {p.disk.read_bytes_per_s / 1e9:.2f} GB/s, {1e6 * p.disk.latency_s:.0f} µs per 4 KiB read, "
+                      f"queue depth {p.disk.queue_depth}")
 
 
 @app.command("run")
 def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int = SeedOpt, gamma: int = GammaOpt,
             acceptance: float = AcceptOpt, hardware: str = HardwareOpt, model: Optional[str] = ModelOpt, gguf: Optional[Path] = GgufOpt, draft: str = DraftOpt,
             cache_ratio: float = RatioOpt, visibility: str = VisibilityOpt, policy: Optional[List[str]] = PolicyOpt,
-            quant: str = QuantOpt, out: Optional[Path] = OutOpt) -> None:
+            quant: str = QuantOpt, out: Optional[Path] = OutOpt, host_ram: Optional[str] = HostRamOpt,
+            disk: Optional[str] = DiskOpt) -> None:
     """All policies side by side on one trace."""
+    ram, disk = _host_ram(host_ram), _disk_key(disk)
     t, model, gguf_quant = _trace(trace, steps, seed, gamma, acceptance, model, gguf)
-    config = _config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t)
+    config = replace(_config(hardware, model, draft, cache_ratio, visibility, gguf_quant or quant, t),
+                     host_ram=ram, disk=disk)
     names = _names(policy)
     with working(f"simulating {len(names)} policies on {t.n_steps} steps"):
         results, skipped = compare(t, config, names)
     setting = _setting(t, config)
-    bound = limit(t, results[0].capacity, config.costs()) if results else None
+    bound = limit(t, results[0].capacity, config.costs(), host_slots=results[0].host_slots) if results else None
     rows = []
     for r in results:
         ranking, miss, window, split = COMBINATIONS.get(r.policy, ("?",) * 4)
@@ -247,6 +285,15 @@ def run_cmd(trace: Optional[Path] = TraceOpt, steps: int = StepsOpt, seed: int =
     if bound is not None:
         console.print(f"limit (an upper bound on tok/s under this cost model, orchestrator/sim/limit.py): "
                       f"{bound.tokens_per_s:.1f} tok/s")
+    if results and results[0].host_slots is not None:
+        c = config.costs()
+        d = c.disk or profiles.disk(profiles.DEFAULT_DISK)
+        console.print(f"host tier: {results[0].host_slots} experts of {t.n_layer * t.n_expert} in "
+                      f"{ram / 2**30:.1f} GiB of host RAM, the rest on the disk ({d.read_bytes_per_s / 1e9:.1f} GB/s, "
+                      f"{1e6 * d.latency_s:.0f} µs, queue depth {d.queue_depth}); spac's policies read ahead, the "
+                      f"others page on demand (llama.cpp's mmap)")
+    elif ram is not None:
+        console.print(f"host tier: every expert fits in {ram / 2**30:.1f} GiB of host RAM")
     for s in skipped:
         console.print(f"[yellow]skipped {s.policy}: {s.reason}[/yellow]")
     _write(out, "policies", {"setting": setting, "results": [r.row() for r in results]},

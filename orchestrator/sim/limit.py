@@ -30,7 +30,14 @@ The bound relaxes everything that couples steps or layers, and nothing else:
    under Σ j_l ≤ capacity, computed exactly by dynamic programming over layers.
 
 Every policy's step time is therefore ≥ draft_s + fixed_pass_s + DP minimum, step by step, and
-its tokens (fixed by the trace) over its time ≤ tokens over the bound's time. The bound is
+its tokens (fixed by the trace) over its time ≤ tokens over the bound's time.
+
+With a host tier of H experts (a model larger than the host RAM, `host_tier`), memory holds at
+most H + capacity experts when a step starts (the host tier, and the pool, which a page cache
+need not hold); a pass needing m distinct experts must read at least m − H − capacity of them
+from the disk within the step, and the disk reads at most its rate. The step costs at least
+that many experts' bytes at the full rate, overlapped perfectly with everything else:
+max(the bound above, disk bytes / rate). Latency, queue depth and page faults only add to it. The bound is
 tight where prefetch bandwidth and foresight are not the bottleneck; where they are (small
 caches, slow links), it is optimistic: no policy can reach it, and the gap says how much a
 perfect predictor with an unlimited link would add.
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.sim import profiles
 from orchestrator.sim.profiles import CostModel
 from orchestrator.sim.trace import Trace
 
@@ -101,14 +109,21 @@ def step_bound(counts: np.ndarray, capacity: int, costs: CostModel, n_tokens: in
     return float(best[-1])
 
 
-def limit(trace: Trace, capacity: int, costs: CostModel, n_steps: int | None = None) -> Limit:
-    """The bound for replaying `trace` (its first n_steps) with `capacity` pool slots."""
+def limit(trace: Trace, capacity: int, costs: CostModel, n_steps: int | None = None,
+          host_slots: int | None = None) -> Limit:
+    """The bound for replaying `trace` (its first n_steps) with `capacity` pool slots and a host
+    tier of `host_slots` experts over costs.disk (None: every expert in host RAM)."""
     n_steps = trace.n_steps if n_steps is None else min(n_steps, trace.n_steps)
     step_time = np.empty(n_steps)
+    disk_rate = (costs.disk or profiles.disk(profiles.DEFAULT_DISK)).read_bytes_per_s
     for s in range(n_steps):
         routing = trace.step(s)
         n_tokens, position = routing.n_drafted + 1, routing.position or 0
+        counts = routing.frequency(trace.n_expert)
         step_time[s] = (routing.n_drafted * costs.draft_token_s + costs.fixed_pass_time(n_tokens, position)
-                        + step_bound(routing.frequency(trace.n_expert), capacity, costs, n_tokens, position))
+                        + step_bound(counts, capacity, costs, n_tokens, position))
+        if host_slots is not None:
+            unavoidable = max(int((counts > 0).sum()) - host_slots - capacity, 0)
+            step_time[s] = max(step_time[s], unavoidable * costs.expert_bytes / disk_rate)
     tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
     return Limit(tokens=tokens, time_s=float(step_time.sum()), step_time=step_time, capacity=capacity)

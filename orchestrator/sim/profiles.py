@@ -30,6 +30,8 @@ rates, each per byte of the weights it reads so that it carries over to another 
     absent experts on the device      one zero-slot expert with their tokens (a device that does
                                       not skip id -1 multiplies them by the all-zero slot)
     one draft token                   measured on the draft file, else its bytes at the draft rate
+    the disk (optional)               read rate, latency, queue depth (sim/disk.py), for a host
+                                      tier smaller than the experts (sim/host_tier.py)
 
 Why ~650 lines: the cost model's every term reads one field of a hardware or model profile, so
 the profiles, their TOML loading, the cost model and the measured profile (`read_measured`,
@@ -45,6 +47,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from orchestrator.gguf_files.model_sizes import model_sizes, recurrent_layers
+from orchestrator.sim.disk import Disk
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +66,11 @@ BITS_PER_WEIGHT = {
     "F16": 16.0,
     "BF16": 16.0,
 }
+
+
+def _disk(read_gbps: float, latency_us: float, queue_depth: int) -> Disk:
+    """A disk from hardware.toml's units (GB/s, µs)."""
+    return Disk(read_gbps * 1e9, latency_us * 1e-6, max(int(queue_depth), 1))
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,13 @@ class HardwareProfile:
     # link of this effective bandwidth and one-way latency (0: every card is local)
     remote_GBps: float = 0.0
     remote_latency_us: float = 0.0
+    # the disk below the host RAM (sim/disk.py); 0: not given (a --disk preset, else DEFAULT_DISK)
+    disk_read_gbps: float = 0.0
+    disk_latency_us: float = 0.0
+    disk_queue_depth: int = 0
+
+    def disk(self) -> Disk | None:
+        return _disk(self.disk_read_gbps, self.disk_latency_us, self.disk_queue_depth) if self.disk_read_gbps else None
 
     @property
     def gpu_bw(self) -> float:
@@ -184,9 +199,27 @@ def _load(name: str) -> dict:
         return tomllib.load(f)
 
 
+DISKS = "disks"  # hardware.toml's table of disk presets, beside the hardware profiles
+DEFAULT_DISK = "nvme-pcie4"  # where neither --disk nor the hardware profile names one
+
+
 @lru_cache(maxsize=None)
 def hardware_profiles() -> dict[str, HardwareProfile]:
-    return {k: HardwareProfile(key=k, **v) for k, v in _load("hardware.toml").items()}
+    return {k: HardwareProfile(key=k, **v) for k, v in _load("hardware.toml").items() if k != DISKS}
+
+
+@lru_cache(maxsize=None)
+def disk_presets() -> dict[str, tuple[str, Disk]]:
+    """{key: (name, Disk)} from hardware.toml's [disks.*] tables (the same disk_* fields)."""
+    return {k: (v["name"], _disk(v["disk_read_gbps"], v["disk_latency_us"], v["disk_queue_depth"]))
+            for k, v in _load("hardware.toml").get(DISKS, {}).items()}
+
+
+def disk(key: str) -> Disk:
+    try:
+        return disk_presets()[key][1]
+    except KeyError:
+        raise KeyError(f"unknown disk {key!r}; known: {', '.join(disk_presets())}") from None
 
 
 @lru_cache(maxsize=None)
@@ -254,6 +287,7 @@ class CostModel:
                                      # host before the device half is queued (layers on the device)
     copy_blocks_device: bool = False  # copies and device compute share one worker (an RPC server): the
                                       # copies queued before a pass take device time in it
+    disk: Disk | None = None          # below the host RAM (a host tier smaller than the experts reads from it)
 
     @classmethod
     def build(
@@ -301,7 +335,7 @@ class CostModel:
             dense_layer_s=dense_layer, dense_layer_token_s=state_token / hw.gpu_bw,
             fixed_pass_s=dense_blocks + head + (n_dev - 1) * hw.sync_us * 1e-6 + fixed, fixed_pass_token_s=fixed_token,
             draft_token_s=draft_s, sync_s=sync, sync_token_s=sync_token,
-            vram_bytes=hw.vram_GB * 1e9 * n_dev, static_bytes=static,
+            vram_bytes=hw.vram_GB * 1e9 * n_dev, static_bytes=static, disk=hw.disk(),
         )
 
     @classmethod
@@ -359,7 +393,7 @@ class CostModel:
             # layers on the device: the host half's inputs come first in the graph, so the device
             # half is queued only once the hidden state has reached the host (one way of the two)
             sync_serial_s=hw.crossing_s / 2 if hw.non_expert_on == "device" else 0.0,
-            vram_bytes=hw.vram_GB * 1e9, static_bytes=static,
+            vram_bytes=hw.vram_GB * 1e9, static_bytes=static, disk=hw.disk,
         )
 
     @property
@@ -465,6 +499,7 @@ class MeasuredProfile:
     measured_with: str = ""
     measured_at: str = ""
     check: dict = field(default_factory=dict)
+    disk: Disk | None = None  # the disk the profile was measured with (--disk-file), None: not measured
 
     def expert_rate(self, side: str, quant: str) -> tuple[tuple, tuple]:
         """((tokens...), (s_per_byte...)) of `quant` experts on "host" or "device"; a type that was
@@ -517,12 +552,16 @@ def read_measured(path: str | Path) -> MeasuredProfile:
             overlap=bool(p.get("overlap", True)), non_expert_on=str(p.get("non_expert_on", "device")),
             copy_blocks_device=bool(p.get("copy_blocks_device", False)),
             measured_with=str(p.get("measured_with", "")), measured_at=str(p.get("measured_at", "")),
-            check=dict(data.get("check", {})))
+            check=dict(data.get("check", {})),
+            disk=Disk(float(data["disk"]["read_bytes_per_s"]), float(data["disk"]["latency_s"]),
+                      int(data["disk"]["queue_depth"])) if "disk" in data else None)
     except KeyError as e:
         raise ValueError(f"{path}: missing {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
-    for name, v in (("copy.bytes_per_s", prof.copy_bytes_per_s), ("crossing.s", prof.crossing_s + 1)):
+    disk_rate = prof.disk.read_bytes_per_s if prof.disk is not None else 1.0
+    for name, v in (("copy.bytes_per_s", prof.copy_bytes_per_s), ("crossing.s", prof.crossing_s + 1),
+                    ("disk.read_bytes_per_s", disk_rate)):
         if not v > 0:
             raise ValueError(f"{path}: {name} must be positive")
     return prof
@@ -561,6 +600,10 @@ def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -
               "[draft]   # one draft token on the host: s_per_token for this file, else its bytes × s_per_byte",
               f"file = {text(prof.draft_file)}", f"s_per_token = {num(prof.draft_s_per_token)}",
               f"s_per_byte = {num(prof.draft_s_per_byte)}", ""]
+    if prof.disk is not None:
+        lines += ["[disk]   # below the host RAM: sequential read rate, one 4 KiB read, reads in flight the rate needs",
+                  f"read_bytes_per_s = {num(prof.disk.read_bytes_per_s)}", f"latency_s = {num(prof.disk.latency_s)}",
+                  f"queue_depth = {int(prof.disk.queue_depth)}", ""]
     if prof.check:
         lines += ["[check]   # a split pass at measurement: predicted from the rates above vs timed"]
         lines += [f"{k} = {num(v)}" for k, v in prof.check.items()] + [""]

@@ -28,6 +28,12 @@ A new plan replaces the copy queue, as in the engine: copies not started by then
 device whose copies run on its compute thread (an RPC server: `copy_blocks_device`) interleaves
 them with a pass: a pass lasts at least its device work plus the copy in flight (stall).
 
+A model larger than the host RAM (`SimConfig.host_ram`): a host tier (host_tier.py) holds the
+experts that fit, the rest are on the disk. A layer's misses (host compute, or copies to the
+device) wait until those of them on the disk are in host memory, and the device's copies read
+from the tier too; spac's policies read ahead what the next pass will need after each pass and
+each draft token, the others fault experts in as llama.cpp's mmap does.
+
 An expert counts as on the device for a layer when its slot was claimed before the pass and
 its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
 maps are set once per ubatch) or before the layer starts (visibility "layer", MoE-SpAc Fig. 3).
@@ -39,20 +45,23 @@ share of distinct experts), host share, collision misses (resident when the pass
 evicted by an in-pass copy, then needed later in the same pass), bytes moved, step time,
 tokens/s (tokens = accepted drafts + 1 per step).
 
-Why ~450 lines: the pool (slots, LRU order, in-pass copies and collisions) and the step's
-timing under the cost model are replayed together, pass by pass; the costs themselves are
-profiles.py, the policies orchestrator.policies.
+Why ~590 lines: the pool (slots, LRU order, in-pass copies and collisions) and the step's
+timing under the cost model are replayed together, pass by pass, with the host tier's reads
+where the model is larger than the RAM; the costs themselves are profiles.py, the host tier
+host_tier.py, the policies orchestrator.policies.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, layer_usage, order_rows
 from orchestrator.policies.plan import Plan, StepRouting
 from orchestrator.sim import profiles
+from orchestrator.sim.disk import FAULT_THREADS
+from orchestrator.sim.host_tier import HostTier, host_slots
 from orchestrator.sim.profiles import CostModel
 from orchestrator.sim.trace import Trace
 
@@ -69,17 +78,27 @@ class SimConfig:
     visibility: str = "pass"         # "pass" | "layer"
     context: int = 4096              # tokens of KV cache counted in the memory budget
     snapshots: int = 0               # a hybrid target's recurrent-state snapshots (llama.cpp's n_rs_seq; spac: γ)
+    # models larger than RAM (host_tier.py): the host RAM the run may use (None: unlimited, every
+    # expert in RAM), the disk below it (a preset of hardware.toml; None: the hardware's own, else
+    # profiles.DEFAULT_DISK), what a planned tier reads ahead ("plan": what the plan names; "none";
+    # "next-pass": the next pass's routing, every expert it needs) and llama.cpp's faulting threads
+    host_ram: float | None = None
+    disk: str | None = None
+    read_ahead: str = "plan"
+    fault_threads: int = FAULT_THREADS
 
     def costs(self) -> CostModel:
         """hardware: a datasheet profile's key, or a measured profile's file (`spac sim profile measure`)."""
         draft = None if self.draft is None else profiles.model(self.draft)
         if profiles.is_measured(self.hardware):
-            return CostModel.from_measured(profiles.read_measured(self.hardware), profiles.model(self.model), draft,
-                                           self.quant, self.draft_quant, self.context,
-                                           draft_file=draft.source if draft is not None else None,
-                                           snapshots=self.snapshots)
-        return CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
-                               self.quant, self.draft_quant, self.context, snapshots=self.snapshots)
+            costs = CostModel.from_measured(profiles.read_measured(self.hardware), profiles.model(self.model), draft,
+                                            self.quant, self.draft_quant, self.context,
+                                            draft_file=draft.source if draft is not None else None,
+                                            snapshots=self.snapshots)
+        else:
+            costs = CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
+                                    self.quant, self.draft_quant, self.context, snapshots=self.snapshots)
+        return costs if self.disk is None else replace(costs, disk=profiles.disk(self.disk))
 
 
 @dataclass
@@ -102,6 +121,10 @@ class SimResult:
     fits_vram: bool
     step_time: np.ndarray = field(repr=False)
     config: dict = field(default_factory=dict, repr=False)
+    host_slots: int | None = None  # the host tier's experts (None: every expert in RAM)
+    disk_bytes: float = 0.0        # read from the disk
+    disk_stalls: int = 0           # experts a pass waited for that no read ahead had named (mmap: faulted in)
+    disk_wait_s: float = 0.0       # time layers waited for the disk
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,7 +140,8 @@ class SimResult:
             "uniq hit": self.unique_hit_rate, "host": self.cpu_share, "fetched": self.fetch_share,
             "collisions": self.collision_misses, "GB moved": self.bytes_moved / 1e9,
             "ms/step": 1e3 * self.time_s / max(self.n_steps, 1), "fits": self.fits_vram,
-        }
+            **({} if self.host_slots is None else {"GB read": self.disk_bytes / 1e9, "stalls": self.disk_stalls,
+                                                     "disk wait s": self.disk_wait_s})}
 
 
 class Pool:
@@ -137,6 +161,7 @@ class Pool:
         self.n_allocated = 0
         self.prefetch_bytes = 0.0
         self.fetch_bytes = 0.0
+        self.tier: HostTier | None = None  # the host tier the copies read from (None: every expert in RAM)
 
     def visible(self, at: float) -> np.ndarray:
         return self.allocated & (self.ready_at <= at)
@@ -144,6 +169,8 @@ class Pool:
     def copy(self, layer: int, expert: int, earliest: float, in_pass: bool, free: bool = False) -> float:
         """Claim a slot and queue the copy on the link; returns its completion time."""
         assert not self.allocated[layer, expert] and self.n_allocated < self.capacity
+        if self.tier is not None and not free:  # the copy reads the expert from host memory
+            earliest = self.tier.source(layer, expert, earliest, self.allocated)
         if free:
             done = earliest
         else:
@@ -231,6 +258,13 @@ class Simulator:
             raise ValueError(f"capacity {self.capacity} outside [0, {n_slots}]")
         if config.visibility not in ("pass", "layer"):
             raise ValueError(f"visibility must be 'pass' or 'layer', got {config.visibility!r}")
+        if config.read_ahead not in ("plan", "none", "next-pass"):
+            raise ValueError(f"read_ahead must be 'plan', 'none' or 'next-pass', got {config.read_ahead!r}")
+        # the host tier's experts; None: every expert fits in the host RAM (no disk)
+        self.host_slots = None
+        if config.host_ram is not None:
+            slots = host_slots(config.host_ram, self.costs.static_bytes, self.costs.expert_bytes, n_slots)
+            self.host_slots = slots if slots < n_slots else None
 
     def context(self, policy: Policy) -> PolicyContext:
         t = self.trace
@@ -260,8 +294,11 @@ class Simulator:
         n_layer, n_expert = trace.n_layer, trace.n_expert
         policy.reset(self.context(policy))
         pool = Pool(n_layer, n_expert, self.capacity, c)
-        pool.apply(policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool)), now=0.0, free=True,
-                   evicts=policy.evicts)
+        first = policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool))
+        pool.apply(first, now=0.0, free=True, evicts=policy.evicts)
+        tier = self._host_tier(policy, pool)
+        if tier is not None:
+            self._read_ahead(tier, policy, first, None, 0, 0.0, pool.allocated)
 
         acc = dict(hits=0, unique_hits=0, cpu=0, fetched=0, needed=0, unique_needed=0, collisions=0)
         step_time = np.zeros(n_steps)
@@ -277,6 +314,13 @@ class Simulator:
                 for j in range(routing.n_drafted):
                     at = start + (j + 1) * c.draft_token_s
                     p = policy.draft_plan(drafted[: j + 1], pool.allocated.copy())
+                    if tier is not None and tier.planned and cfg.read_ahead == "plan":
+                        # the experts the draft's token chose, and those the plan wants on the device
+                        chose = np.zeros((n_layer, n_expert), dtype=bool)
+                        rows, cols = np.nonzero(drafted[j] >= 0)
+                        chose[rows, drafted[j][rows, cols]] = True
+                        tier.rank(policy.utility)
+                        tier.read_ahead(chose | (p.wanted() if p is not None else False), at, pool.allocated)
                     if p is not None:
                         pool.apply(p, now=at, evicts=policy.evicts)
             verify_start = start + draft_s
@@ -308,18 +352,53 @@ class Simulator:
             )
             # the next pass starts once the next draft has drafted
             pool.frozen_from = now + (trace.n_drafted[s + 1] * c.draft_token_s if s + 1 < n_steps else np.inf)
-            pool.apply(policy.plan(routing, pool.allocated.copy(), feedback), now=now, evicts=policy.evicts)
+            plan = policy.plan(routing, pool.allocated.copy(), feedback)
+            if tier is not None:
+                tier.pass_done()
+                self._read_ahead(tier, policy, plan, routing, s + 1, now, pool.allocated)
+            pool.apply(plan, now=now, evicts=policy.evicts)
 
         tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
         vram = c.static_bytes + self.capacity * c.expert_bytes
+        disk = {} if tier is None else dict(host_slots=tier.slots, disk_bytes=tier.bytes_read,
+                                            disk_stalls=tier.stalls, disk_wait_s=tier.wait_s)
         return SimResult(
             policy=policy.name, capacity=self.capacity, n_steps=n_steps, tokens=tokens, time_s=now,
             hit_rate=_ratio(acc["hits"], acc["needed"]), unique_hit_rate=_ratio(acc["unique_hits"], acc["unique_needed"]),
             cpu_share=_ratio(acc["cpu"], acc["needed"]), fetch_share=_ratio(acc["fetched"], acc["needed"]),
             collision_misses=acc["collisions"], prefetch_bytes=pool.prefetch_bytes, fetch_bytes=pool.fetch_bytes,
             draft_s=draft_total, stall_s=stall_total, vram_needed_GB=vram / 1e9, fits_vram=vram <= c.vram_bytes,
-            step_time=step_time, config=asdict(self.config),
+            step_time=step_time, config=asdict(self.config), **disk,
         )
+
+    def _host_tier(self, policy: Policy, pool: Pool) -> HostTier | None:
+        """The host tier when the experts do not all fit in host RAM: planned by policies that rank
+        every expert (spac's, by their `utility`), else llama.cpp's page cache; filled before
+        decoding with the device pool's experts first."""
+        if self.host_slots is None:
+            return None
+        t, c = self.trace, self.costs
+        planned = getattr(policy, "utility", None) is not None
+        tier = HostTier(t.n_layer, t.n_expert, self.host_slots, c.disk or profiles.disk(profiles.DEFAULT_DISK),
+                        c.expert_bytes, planned, self.config.fault_threads)
+        tier.fill(pool.allocated)
+        if planned:
+            tier.rank(policy.utility)
+        pool.tier = tier
+        return tier
+
+    def _read_ahead(self, tier: HostTier, policy: Policy, plan: Plan, routing: StepRouting | None, next_step: int,
+                    now: float, pinned: np.ndarray) -> None:
+        """After a verify pass: a planned tier reads what the next pass will need, ranked anew."""
+        if not tier.planned:
+            return
+        tier.rank(policy.utility)
+        mode, n_expert = self.config.read_ahead, self.trace.n_expert
+        if mode == "plan":  # the last pass's routing and the experts the plan wants on the device
+            used = False if routing is None else routing.frequency(n_expert) > 0
+            tier.read_ahead(used | plan.wanted(), now, pinned)
+        elif mode == "next-pass" and next_step < self.trace.n_steps:
+            tier.read_ahead(self.trace.step(next_step).frequency(n_expert) > 0, now, pinned, ranked=False)
 
     def _verify(self, policy: Policy, pool: Pool, routing: StepRouting, start: float, acc: dict):
         """One verify pass from `start`; returns (end time, [n_layer] layer times, unit-cost samples)."""
@@ -357,22 +436,25 @@ class Simulator:
             stats["gpu_s"] += device
             stats["gpu_experts"] += int(hit.sum())
             host_experts = np.flatnonzero(miss)
+            t_miss = t  # when the misses are in host memory: a host tier reads those on the disk first
+            if pool.tier is not None:
+                t_miss = pool.tier.ready(layer, np.flatnonzero(miss & ~pool.allocated[layer]), t, pool.allocated)
             # a gate after the router decides the misses: the device half waits for its choice on the host
             end_device = t + (c.sync_s if policy.gate_readback else 0.0) + device
             if policy.readback_max_tokens is not None and cached:
                 # llama-moe-cache: the router's choice read back (a device synchronize, every cached
                 # layer), the misses uploaded, then one op computes every routed expert on the device;
                 # with a CPU share, once the cache is full, that share of the misses on the host
-                ready = t + c.sync_s
+                ready = max(t + c.sync_s, t_miss)
                 host_experts = np.zeros(0, dtype=np.int64)
                 if policy.cpu_share and pool.n_allocated >= pool.capacity:
                     host_experts = policy.host_misses(layer, np.flatnonzero(miss), n)
                 upload = miss.copy()
                 upload[host_experts] = False
-                arrived = _InPassFetcher(self, policy, pool, layer, upload, t, evicted).upload(ready)
+                arrived = _InPassFetcher(self, policy, pool, layer, upload, t_miss, evicted).upload(ready)
                 end_device = max(ready, arrived) + device + float(c.gpu_expert_s(n[upload]).sum())
             elif policy.miss != "cpu" and cached and miss.any():
-                fetcher = _InPassFetcher(self, policy, pool, layer, miss, t, evicted)
+                fetcher = _InPassFetcher(self, policy, pool, layer, miss, t_miss, evicted)
                 if policy.miss == "fetch":
                     host_experts = np.zeros(0, dtype=np.int64)
                     for e in np.flatnonzero(miss):
@@ -390,7 +472,7 @@ class Simulator:
             acc["fetched"] += int(n[miss].sum() - n_host)
             sync = c.sync_s + n_tokens * c.sync_token_s if len(host_experts) or c.sync_every_layer else 0.0
             serial = min(c.sync_serial_s, sync)  # both halves wait for it
-            end_host = t + host + (0.0 if c.sync_on_device else sync)
+            end_host = t_miss + host + (0.0 if c.sync_on_device else sync)
             end_device += serial + (sync - serial if c.sync_on_device else 0.0)
             t = max(end_device, end_host) if c.overlap else end_device + (end_host - t)
             layer_time[layer] = t - t_layer
