@@ -213,6 +213,36 @@ void          spac_set_embeddings_nextn    (struct llama_context * ctx, bool ena
 const float * spac_get_embeddings_nextn    (struct llama_context * ctx);
 const float * spac_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 
+// A model larger than RAM: loaded with llama_model_params.lazy_mode = LLAMA_LAZY_MODE_EXPERTS, its
+// routed experts stay in the file mapping, read from the disk only when used; each MoE layer's gate
+// asks for the chosen experts not in memory all at once (its stalls) before the matmuls touch them.
+// The host tier keeps some in memory: spac_disk_advise(SPAC_DISK_READ) reads experts in the
+// background (a read ahead), SPAC_DISK_DROP drops their pages. Pairs are (MoE layer, expert), the
+// MoE layer counted as in the routing export (spac_routing_get).
+enum spac_disk_advice {
+    SPAC_DISK_READ = 0,
+    SPAC_DISK_DROP = 1,
+};
+
+struct spac_disk_stats {
+    uint64_t n_gate_experts;   // distinct experts the MoE layers' gates saw (per layer and ubatch)
+    uint64_t n_stalls;         // of those, not wholly in memory at the gate: the layer waited for the disk
+    uint64_t bytes_stalled;    // their bytes not in memory then
+    uint64_t n_read_ahead;     // experts asked for by SPAC_DISK_READ that were not wholly in memory
+    uint64_t bytes_read_ahead; // their bytes not in memory then
+    uint64_t n_dropped;        // experts given SPAC_DISK_DROP
+};
+
+// true when the model's routed experts are read from the disk (LLAMA_LAZY_MODE_EXPERTS)
+bool    spac_model_experts_on_disk(const struct llama_model * model);
+// layer_expert: n pairs; returns how many were valid, -1 when the experts are not on the disk
+int32_t spac_disk_advise(struct llama_model * model, const int32_t * layer_expert, int32_t n, int32_t advice);
+// missing[i]: bytes of pair i not in memory now (0: all in memory; -1: no such pair); returns -1
+// when the experts are not on the disk
+int32_t spac_disk_missing(const struct llama_model * model, const int32_t * layer_expert, int32_t n, int64_t * missing);
+void    spac_disk_get_stats  (const struct llama_model * model, struct spac_disk_stats * stats);
+void    spac_disk_reset_stats(struct llama_model * model);
+
 // Bytes per second that n_threads threads read from host memory together, each its share of an
 // n_bytes buffer: the best of a few passes of each way of reading (one stream or four side by side,
 // the hardware prefetchers alone or software prefetch 1-4 KiB ahead). The limit a memory-bound CPU

@@ -4,6 +4,7 @@
 
 #include "llama-context.h"
 #include "llama-expert-pool.h"
+#include "llama-experts-on-disk.h"
 #include "llama-model.h"
 #include "llama-mmap.h"
 
@@ -400,4 +401,48 @@ double spac_host_read_rate(int32_t n_threads, size_t n_bytes) {
         sink = sink + v;
     }
     return best;
+}
+
+bool spac_model_experts_on_disk(const llama_model * model) {
+    return model != nullptr && model->experts_on_disk != nullptr;
+}
+
+// the model layer of the routing export's MoE layer m, -1 out of range
+static int moe_layer_il(const llama_model * model, int32_t m) {
+    const std::vector<int> & il = model->experts_on_disk->moe_layers;
+    return m >= 0 && m < (int32_t) il.size() ? il[m] : -1;
+}
+
+int32_t spac_disk_advise(llama_model * model, const int32_t * layer_expert, int32_t n, int32_t advice) {
+    if (!spac_model_experts_on_disk(model)) {
+        return -1;
+    }
+    int32_t n_valid = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        n_valid += model->experts_on_disk->advise(moe_layer_il(model, layer_expert[2*i]), layer_expert[2*i + 1], advice);
+    }
+    return n_valid;
+}
+
+int32_t spac_disk_missing(const llama_model * model, const int32_t * layer_expert, int32_t n, int64_t * missing) {
+    if (!spac_model_experts_on_disk(model)) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        missing[i] = model->experts_on_disk->missing_bytes(moe_layer_il(model, layer_expert[2*i]), layer_expert[2*i + 1]);
+    }
+    return n;
+}
+
+void spac_disk_get_stats(const llama_model * model, spac_disk_stats * stats) {
+    *stats = {};
+    if (spac_model_experts_on_disk(model)) {
+        model->experts_on_disk->get_stats(*stats);
+    }
+}
+
+void spac_disk_reset_stats(llama_model * model) {
+    if (spac_model_experts_on_disk(model)) {
+        model->experts_on_disk->reset_stats();
+    }
 }

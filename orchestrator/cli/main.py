@@ -121,8 +121,18 @@ def _run_info(session, setup, opts: RunOptions) -> dict:
             "n_slots": stats["n_slots"] if stats else 0, "pool_off_reason": off or None,
             "notes": setup.notes, "n_gpu_layers": session.cfg.n_gpu_layers, "n_threads": session.cfg.n_threads,
             "n_ubatch": session.cfg.n_batch,
+            "host_tier": _tiers_info(session.cfg.host_tiers, session.host_tier.stats() if session.host_tier else None),
             "host_layout": session.target.layout.to_dict(), "host_layout_summary": session.target.layout_report(),
             "draft_host_layout_summary": session.draft.layout_report() if session.draft not in (None, session.target) else None}
+
+
+def _tiers_info(tiers, live: dict | None = None) -> dict | None:
+    """--json's host_tier: the budget and where the experts are read from; live: the tier's stats
+    (hits, stalls, bytes read from the disk) once it ran."""
+    if tiers is None:
+        return None
+    return {"budget": tiers.budget, "experts_on_disk": tiers.on_disk, "tier_bytes": tiers.tier,
+            "non_expert_bytes": tiers.non_expert, "expert_bytes": tiers.experts, **(live or {})}
 
 
 def _write(text: str) -> None:
@@ -189,8 +199,9 @@ def generate(
                 "pool_devices": [{"name": d.name, "budget_bytes": d.budget.nbytes, "budget_ratio": d.budget.ratio}
                                  for d in cfg.pool] if cfg.expert_engine is not False else [],
                 "pool_off_reason": setup.pool_off_reason or None, "notes": setup.notes, "seed": opts.seed,
-                "recurrent_state_bytes": setup.state_bytes}
-        _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n")
+                "recurrent_state_bytes": setup.state_bytes, "host_tier": _tiers_info(cfg.host_tiers)}
+        tiers = "".join(line + "\n" for line in cfg.host_tiers.lines()) if cfg.host_tiers is not None else ""
+        _write(json.dumps(info) + "\n" if json_out else "; ".join(setup.notes) + "\n" + tiers)
         return
     try:
         session, setup = open_session(opts, err, plain_progress=json_out)
@@ -229,6 +240,10 @@ def generate(
         else:
             _write("\n")
             err.print(Text(m.summary(), style="dim"), soft_wrap=True)
+            if session.host_tier is not None:
+                t = session.host_tier.stats()
+                err.print(Text(f"experts on the disk: {t['hits']} hits, {t['stalls']} stalls, "
+                               f"{t['bytes_read'] / 2**20:.0f} MiB read", style="dim"), soft_wrap=True)
     finally:
         session.close()
     if interrupted:

@@ -22,6 +22,7 @@ from orchestrator.cli.options import RunOptions, fail
 from orchestrator.decoding.draft import NO_DRAFT, POOL_DRAFT, Draft, DraftKind
 from orchestrator.decoding.speculative import Session, SessionConfig
 from orchestrator.runtime import progress
+from orchestrator.runtime.host_tier import HostBudget, HostTiers, plan_tiers
 from orchestrator.runtime.llm import ModelError, check_gguf
 from orchestrator.runtime.native import NativeError, engine_built
 from orchestrator.runtime.placement import (GPU, PlacementError, devices, first_gpu, model_sizes, place, place_several,
@@ -125,12 +126,38 @@ def session_setup(opts: RunOptions) -> Setup:
     elif draft.kind is DraftKind.POOL:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
     pool = p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
+    tiers = _host_tiers(opts, sizes, pool if not off else ())
+    if tiers.on_disk:
+        notes.append(f"experts on the disk: {tiers.tier // max(tiers.one_expert, 1)} of "
+                     f"{tiers.experts // max(tiers.one_expert, 1)} kept in memory (--host-budget)")
     stream = opts.config.stream_prefill if p.stream_prefill else StreamPrefill.OFF
     cfg = replace(opts.config, model=model, draft=draft, n_batch=opts.ubatch_size or p.ubatch, n_threads=opts.threads,
                   n_gpu_layers=p.n_gpu_layers, expert_engine=False if off else dev.expert_engine, pool=pool,
                   stream_prefill=stream.resolve(pool[0]), tensor_split=p.tensor_split,
-                  ablations=opts.ablation_switches())
+                  ablations=opts.ablation_switches(), host_tiers=tiers)
     return Setup(cfg, notes, off, p.state_bytes)
+
+
+def _host_tiers(opts: RunOptions, sizes, pool: tuple[PoolDevice, ...]) -> HostTiers:
+    """--host-budget against the model's sizes: where its experts are read from. A file larger than
+    the budget keeps its experts on the disk; what cannot work then is one line and exit 2."""
+    cfg = opts.config
+    on_host = sum(d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes) for d in pool if d.on_host)
+    on_device = sum(d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes) for d in pool if not d.on_host)
+    try:
+        tiers = plan_tiers(HostBudget.parse(cfg.host_budget), sizes.non_expert_bytes, sizes.expert_bytes,
+                           sizes.one_expert, pool_host=on_host, pool_device=on_device)
+    except ValueError as e:  # --mlock would lock what does not fit
+        fail(f"{'--mlock with ' if cfg.mlock else ''}--host-budget: {e}")
+    if tiers.on_disk:
+        total = (sizes.non_expert_bytes + sizes.expert_bytes) / 2**30
+        over = f"over the host budget of {tiers.budget / 2**30:.2f} GiB (--host-budget)"
+        if not cfg.mmap:
+            fail(f"--no-mmap reads all {total:.2f} GiB of weights into memory, {over}: without it the experts "
+                 "that do not fit stay on the disk")
+        if cfg.pin_mapping:
+            fail(f"--pin-mapping pins all {sizes.expert_bytes / 2**30:.2f} GiB of experts, {over}")
+    return tiers
 
 
 def _check_files(model: Path, draft: Draft):

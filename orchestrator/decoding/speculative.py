@@ -51,8 +51,9 @@ from orchestrator.option import at_least, one_of, option
 from orchestrator.runtime import calibrate
 from orchestrator.runtime.host_layout import Repack, set_batch_invariant_rows
 from orchestrator.runtime.llm import Context, Model, ModelError
-from orchestrator.runtime.native import (ExpertEngine, NativeError, Routing, SeveralPools, copies_block_compute,
-                                        model_layer_devices, model_moe_layers)
+from orchestrator.runtime.host_tier import HostTier, HostTiers, check_host_budget
+from orchestrator.runtime.native import (ExpertsOnDisk, ExpertEngine, NativeError, Routing, SeveralPools,
+                                        copies_block_compute, model_layer_devices, model_moe_layers)
 from orchestrator.runtime.placement import PlacementError, pool_layer_ranges
 from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
@@ -145,6 +146,17 @@ class SessionConfig:
         "register the mapped file's experts as the pool GPU's pinned host memory, so that the pool "
         "copies them at the pinned rate without --no-mmap's second copy of the weights; reads in and pins that "
         "whole range at load (off by default: not yet measured on a GPU); said in the log where the device cannot"))
+    mlock: bool = option("--mlock", default=False, help=(
+        "lock the weights in memory (llama.cpp's --mlock); with the experts on the disk (a model larger than "
+        "--host-budget), the other weights only"))
+    host_budget: str | None = option("--host-budget", default=None, show_default=False, check=check_host_budget, help=(
+        "host memory for the model's weights: bytes (48G) or a share of the memory available now (80%) "
+        "\\[default: what is available now, less an eighth]. A file larger than this keeps its routed experts on the "
+        "disk: the host holds the best-ranked ones, the others are read when used or ahead of the pass that uses them"))
+    disk_read_ahead: bool = option("--disk-read-ahead/--no-disk-read-ahead", default=True, help=(
+        "with the experts on the disk, read ahead after every pass the experts the next pass will likely use "
+        "(its own choices, ranked, and the draft's); --no-disk-read-ahead: read an expert only when a pass uses it"))
+    host_tiers: HostTiers | None = None  # resolved from --host-budget before loading (cli/setup.py); None: all in memory
     recalibrate: bool = option("--recalibrate", default=False, help="measure the unit costs again")
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
     verbose: bool = option("--verbose", default=False, help="llama.cpp logs")
@@ -173,6 +185,8 @@ class Session:
         config's ablations); any `orchestrator.policies` Policy whose misses run on the host."""
         self.cfg = cfg
         self.engine = self.routing = self.calibration = None
+        self.host_tier: HostTier | None = None  # the experts kept in memory when they are on the disk
+        self.tier_routing: Routing | None = None
         self.draft_routing = None  # routing export of an MoE draft of the target's shape (lookahead)
         self.last_draft_routing: np.ndarray | None = None  # [n_drafted, n_layer, top_k] of the last step
         self.policy = policy
@@ -215,7 +229,8 @@ class Session:
         mtp = kind is DraftKind.MTP
         self.target = self._model(cfg.model, cfg.n_gpu_layers,
                                   devices=tuple(d.name for d in cfg.pool) if on_gpu else (),
-                                  tensor_split=cfg.tensor_split if on_gpu else (), mtp=mtp)
+                                  tensor_split=cfg.tensor_split if on_gpu else (), mtp=mtp,
+                                  experts_on_disk=cfg.host_tiers is not None and cfg.host_tiers.on_disk)
         if kind is DraftKind.POOL:
             self.draft = self.target if self.target.n_expert and cfg.expert_engine is not False else None
         elif kind is DraftKind.MTP:  # the head is the target's: its model, its vocabulary
@@ -254,12 +269,15 @@ class Session:
             self.engine_note = f"expert engine off: {self.target.path.name} has no routed experts"
         if kind is DraftKind.POOL and self.engine is None:  # no pool, no pool draft: decode autoregressively
             self._drop_draft()
+        if cfg.host_tiers is not None and cfg.host_tiers.on_disk:
+            self._open_host_tier(cfg.host_tiers)
 
     def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
-               mtp: bool = False) -> Model:
+               mtp: bool = False, experts_on_disk: bool = False) -> Model:
         m = Model(path, n_gpu_layers=n_gpu_layers, repack=self.cfg.repack, n_threads=self.cfg.n_threads,
                   verbose=self.cfg.verbose, check_tensors=self.cfg.check_tensors, mmap=self.cfg.mmap, devices=devices,
-                  tensor_split=tensor_split, mtp=mtp, exact=self.cfg.exact)
+                  tensor_split=tensor_split, mtp=mtp, exact=self.cfg.exact, experts_on_disk=experts_on_disk,
+                  mlock=self.cfg.mlock)
         self._models.append(m)
         return m
 
@@ -324,6 +342,18 @@ class Session:
                                         devices=self._device_spans(stats)))
         self._calibrate(force=cfg.recalibrate)
 
+    def _open_host_tier(self, tiers: HostTiers) -> None:
+        """The experts kept in memory of a target whose experts are on the disk (runtime/host_tier.py),
+        fed the routing of every target pass."""
+        n_used = int(self.target.meta(f"{self.target.arch}.expert_used_count") or 0)
+        self.tier_routing = self.routing or Routing(self.ctx.ptr, n_used)
+        self.host_tier = HostTier(ExpertsOnDisk(self.target.ptr), self.tier_routing.n_moe_layers, self.target.n_expert,
+                                  capacity=tiers.tier // max(tiers.one_expert, 1), read_ahead=self.cfg.disk_read_ahead)
+
+    def _after_target_pass(self) -> None:
+        if self.host_tier is not None:
+            self.host_tier.after_pass(self.tier_routing.last()[0])
+
     def _device_spans(self, stats: dict) -> tuple[tuple[int, int, int], ...]:
         """PolicyContext.devices: each pool device's MoE layers and slots (() for one device)."""
         if not isinstance(self.engine, SeveralPools):
@@ -372,6 +402,8 @@ class Session:
         # resident experts, so its lookahead is what its router would have chosen unmasked
         ids = self.draft_routing.unmasked() if self.draft_kind is DraftKind.POOL else self.draft_routing.last()[0]
         rows.append(ids[:, -1, :].copy())
+        if self.host_tier is not None:  # the verify pass will likely use these: read them while the draft goes on
+            self.host_tier.lookahead(ids[:, -1:, :])
         if self.policy.uses_draft_routing:
             plan = self.policy.draft_plan(np.stack(rows), self._resident())
             if plan is not None:
@@ -513,6 +545,7 @@ class Session:
         t1 = time.perf_counter()
         base = len(tokens)
         ctx.decode([tokens[-1], *drafts], logits_all=True)
+        self._after_target_pass()
         logits = ctx.logits()
         if greedy:
             a, nxt = verify_greedy(drafts, logits)
@@ -539,6 +572,7 @@ class Session:
         engine the policy still sees its routing."""
         t0 = time.perf_counter()
         self.ctx.decode(self._tokens[-1:])
+        self._after_target_pass()
         row = self.ctx.logits()[-1]
         nxt = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)
         t1 = time.perf_counter()
@@ -642,6 +676,7 @@ class Session:
             dctx.decode(prompt[dctx.n_past:-1], logits_all=False)
             dctx.checkpoint()
         self.ctx.decode(prompt[self.ctx.n_past:], logits_all=False)
+        self._after_target_pass()
         self.ctx.checkpoint()  # a recurrent state: the next prompt may leave this one after its end
         row = self.ctx.logits()[-1]
         first = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)

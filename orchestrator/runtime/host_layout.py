@@ -479,6 +479,7 @@ class HostLayout:
     placed: dict[str, list[str]] = field(default_factory=dict)  # other buffer types (CPU_EXACT, AMX): tensor names
     n_plain_twins: int = 0                      # repacked expert tensors with a plain twin for prefill
     exact: bool = True                          # chosen for exact mode (CPU_EXACT is used only then)
+    experts_on_disk: bool = False               # the routed experts stay in the file mapping (host_tier.py): plain
     # tensors whose type's chosen layout has no kernel for the op that reads them (DeepSeek's 3-D
     # attn_k_b, MUL_MAT batched over heads): name -> the layout refused; they stay plain
     fallbacks: dict[str, str] = field(default_factory=dict)
@@ -502,6 +503,10 @@ class HostLayout:
         return {b: len(n) for b, n in ((REPACK_BUFT, self.repacked), *self.placed.items()) if n}
 
     def report(self) -> str:
+        text = self._report()
+        return f"experts plain, on the disk; other weights: {text}" if self.experts_on_disk else text
+
+    def _report(self) -> str:
         fallback = f"; {len(self.fallbacks)} tensors plain where their layout has no kernel for their op" \
             if self.fallbacks else ""
         if self.mode is Repack.OFF:
@@ -525,7 +530,7 @@ class HostLayout:
                 "dense": {k: asdict(v) for k, v in self.dense.items()},
                 "n_repacked_tensors": len(self.repacked) if self.mode is not Repack.OFF else None,
                 "placement": self.placement(), "exact": self.exact, "fallbacks": self.fallbacks,
-                "n_plain_twins": self.n_plain_twins}
+                "n_plain_twins": self.n_plain_twins, "experts_on_disk": self.experts_on_disk}
 
 
 def names_pattern(names: list[str]) -> bytes:
@@ -700,7 +705,7 @@ def first_taking(ggml_type: int, ne: list[int], op: str, n_used: int, bufts: dic
 
 
 def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n_gpu_layers: int = 0,
-           cache: Path | None = None, exact: bool | None = None) -> HostLayout:
+           cache: Path | None = None, exact: bool | None = None, experts_on_disk: bool = False) -> HostLayout:
     """The host layout of the weights of the GGUF at `path` under `--repack mode`, for exact mode
     or not (None: as the process's batch-invariant mode is set now, which the session sets before
     it loads). Every weight a layout names is asked whether its buffer type takes the op that
@@ -713,22 +718,26 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
     n_gpu_layers != 0: layers go to a GPU. llama.cpp's scheduler copies a large ubatch's host weights to
     the GPU only from a host buffer, which neither CPU_REPACK nor CPU_EXACT is: under auto,
     experts of the types CPU_EXACT takes go to it in exact mode with plain twins (host buffers
-    over the file's bytes) for a prompt's ubatches, the others stay plain."""
+    over the file's bytes) for a prompt's ubatches, the others stay plain.
+
+    experts_on_disk: the routed experts stay in the file mapping, in its layout (patch 0030), so
+    only the other weights are chosen for. In exact mode this computes what the in-memory layout
+    does: the plain layout of CPU_EXACT's types takes its kernels in batch-invariant mode."""
     mode = Repack.of(mode)
     exact = batch_invariant_rows() > 0 if exact is None else exact
     if mode is Repack.OFF:
-        return HostLayout(mode, use_extra_bufts=False, exact=exact)
+        return HostLayout(mode, use_extra_bufts=False, exact=exact, experts_on_disk=experts_on_disk)
     import gguf
 
     offloaded = n_gpu_layers != 0
     bufts = usable_buffer_types(exact)
-    layout = HostLayout(mode, use_extra_bufts=False, no_host=mode is Repack.ON, exact=exact)
+    layout = HostLayout(mode, use_extra_bufts=False, no_host=mode is Repack.ON, exact=exact, experts_on_disk=experts_on_disk)
     try:
         n_used, tensors, n_block = read_weights(path)
     except ValueError:  # not a GGUF ggml can read: llama.cpp's loader says why in its own words
         return layout
     host = [(name, t, ne, weight_op(name, ne)) for name, t, ne in tensors if on_host(name, n_gpu_layers, n_block)]
-    host = [w for w in host if w[3] is not None]
+    host = [w for w in host if w[3] is not None and not (experts_on_disk and w[3] == MUL_MAT_ID)]
     if mode is Repack.ON:
         for name, ggml_type, ne, op in host:
             buft = first_taking(ggml_type, ne, op, n_used, bufts)

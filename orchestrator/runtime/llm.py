@@ -112,6 +112,8 @@ class _TensorBuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
+# llama.h's LLAMA_LAZY_MODE_EXPERTS (patch 0030): the routed experts read from the disk when used
+_LAZY_MODE_EXPERTS = 3
 # llama.cpp's --cpu-moe: the routed experts stay in host RAM whatever -ngl offloads
 _EXPERTS_PATTERN = rb"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
@@ -121,7 +123,8 @@ class Model:
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, repack: host_layout.Repack | str = DEFAULT_REPACK, n_threads: int = 1,
                  verbose: bool = False, check_tensors: bool = False, mmap: bool = True, devices: tuple[str, ...] = (),
-                 tensor_split: tuple[float, ...] = (), mtp: bool = False, exact: bool | None = None):
+                 tensor_split: tuple[float, ...] = (), mtp: bool = False, exact: bool | None = None,
+                 experts_on_disk: bool = False, mlock: bool = False):
         """n_gpu_layers > 0 offloads that many layers' non-expert weights; the routed experts
         stay in host RAM (the expert pool holds device copies); devices: the ggml devices that take
         them (llama.cpp's --device; default: every GPU it sees), tensor_split their shares of the
@@ -135,12 +138,17 @@ class Model:
         plain twins of repacked weights read the mapping, so without one a prompt runs the
         repacked kernels (layout.n_plain_twins is 0).
         mtp: also load the file's multi-token-prediction layers (llama.cpp's load_mtp), which only
-        an MTP draft runs (`orchestrator.decoding.mtp_draft`)."""
+        an MTP draft runs (`orchestrator.decoding.mtp_draft`).
+        experts_on_disk: a model larger than RAM: the routed experts stay in the file mapping, read
+        when used (patch 0030; runtime/host_tier.py keeps some in memory); they keep the file's layout.
+        mlock: llama.cpp's --mlock (lock the weights in memory; with the experts on the disk, the
+        other weights only)."""
         global _load_errors
         self.path = check_gguf(path)
         self.ptr = None
         init_backend(verbose)
-        self.layout = host_layout.choose(self.path, n_threads, repack, n_gpu_layers=n_gpu_layers, exact=exact)
+        self.layout = host_layout.choose(self.path, n_threads, repack, n_gpu_layers=n_gpu_layers, exact=exact,
+                                         experts_on_disk=experts_on_disk)
         params = L.llama_model_default_params()
         # llama.cpp's -ngl counts the output layer too: N + 1 puts the last N repeating layers and the
         # output on the device (N alone would leave the first of them on the host)
@@ -157,7 +165,11 @@ class Model:
         params.check_tensors = check_tensors
         params.load_mtp = mtp
         if not mmap:
-            params.load_mode = L.LLAMA_LOAD_MODE_NONE
+            params.load_mode = L.LLAMA_LOAD_MODE_MLOCK if mlock else L.LLAMA_LOAD_MODE_NONE
+        elif mlock:
+            params.load_mode = L.LLAMA_LOAD_MODE_MMAP_MLOCK
+        if experts_on_disk:  # llama.h LLAMA_LAZY_MODE_EXPERTS (patch 0030)
+            params.lazy_mode = _LAZY_MODE_EXPERTS
         overrides = self.layout.overrides()
         if n_gpu_layers != 0:  # llama.cpp's --cpu-moe (plain unless --repack on: see host_layout)
             overrides.append((_EXPERTS_PATTERN, _cpu_buffer_type()))

@@ -86,6 +86,21 @@ class SpacEngineStats(ctypes.Structure):
     ]
 
 
+class SpacDiskStats(ctypes.Structure):
+    _fields_ = [
+        ("n_gate_experts", c_uint64),
+        ("n_stalls", c_uint64),
+        ("bytes_stalled", c_uint64),
+        ("n_read_ahead", c_uint64),
+        ("bytes_read_ahead", c_uint64),
+        ("n_dropped", c_uint64),
+    ]
+
+
+# spac.h enum spac_disk_advice: read an expert from the disk in the background, or drop its pages
+DISK_READ, DISK_DROP = 0, 1
+
+
 class NativeError(RuntimeError):
     """The native engine refused a request; the message says why."""
 
@@ -139,6 +154,12 @@ def _bind():
         "host_read_rate": fn("spac_host_read_rate", c_double, c_int32, c_size_t),
         "model_tensor_buft": fn("spac_model_tensor_buft", c_char_p, c_void_p, c_char_p),
         "model_tensor_twin_buft": fn("spac_model_tensor_twin_buft", c_char_p, c_void_p, c_char_p),
+        # a model larger than RAM: its routed experts read from the disk (patch 0030)
+        "model_experts_on_disk": fn("spac_model_experts_on_disk", c_bool, c_void_p),
+        "disk_advise": fn("spac_disk_advise", c_int32, c_void_p, c_void_p, c_int32, c_int32),
+        "disk_missing": fn("spac_disk_missing", c_int32, c_void_p, c_void_p, c_int32, c_void_p),
+        "disk_get_stats": fn("spac_disk_get_stats", None, c_void_p, POINTER(SpacDiskStats)),
+        "disk_reset_stats": fn("spac_disk_reset_stats", None, c_void_p),
     }
 
 
@@ -228,6 +249,41 @@ def host_read_rate(n_threads: int, n_bytes: int) -> float:
     """Bytes/s that n_threads threads read from host memory together (spac_host_read_rate):
     what a memory-bound decode's kernels are held to."""
     return float(lib()["host_read_rate"](n_threads, n_bytes))
+
+
+class ExpertsOnDisk:
+    """The routed experts of a model loaded with them on the disk (spac.h spac_disk_*): read some
+    ahead, drop some, ask what is in memory. Pairs are int32 [n, 2] of (MoE layer, expert)."""
+
+    def __init__(self, model_ptr):
+        self._model = _ctx_ptr(model_ptr)
+        if not lib()["model_experts_on_disk"](self._model):
+            raise NativeError("the model's routed experts are in memory, not on the disk")
+
+    @staticmethod
+    def _pairs(pairs) -> np.ndarray:
+        return np.ascontiguousarray(pairs, dtype=np.int32).reshape(-1, 2)
+
+    def advise(self, pairs, advice: int) -> int:
+        """DISK_READ: read them in the background; DISK_DROP: drop their pages. The valid pairs."""
+        a = self._pairs(pairs)
+        return int(lib()["disk_advise"](self._model, a.ctypes.data, len(a), advice)) if len(a) else 0
+
+    def missing(self, pairs) -> np.ndarray:
+        """int64 per pair: its bytes not in memory now (0: all in memory; -1: no such pair)."""
+        a = self._pairs(pairs)
+        out = np.zeros(len(a), np.int64)
+        if len(a):
+            lib()["disk_missing"](self._model, a.ctypes.data, len(a), out.ctypes.data)
+        return out
+
+    def stats(self) -> dict:
+        s = SpacDiskStats()
+        lib()["disk_get_stats"](self._model, ctypes.byref(s))
+        return {name: int(getattr(s, name)) for name, _ in SpacDiskStats._fields_}
+
+    def reset_stats(self) -> None:
+        lib()["disk_reset_stats"](self._model)
 
 
 def model_moe_layers(model_ptr, n_layer: int) -> list[int]:

@@ -1,0 +1,177 @@
+"""Models larger than RAM (issue 50): spac's host tier against llama.cpp's mmap, in one memory limit.
+
+    .venv/bin/python bench/bench_disk.py [--file F.gguf] [--limit 768M] [--json rows.json]
+
+Every row runs alone in a fresh memory cgroup of --limit bytes (scripts/memory_cgroup.py, root),
+the file evicted from the page cache first, 2 threads; the file is at least 3x the limit (default:
+a 6-layer Qwen3-30B-A3B-shaped Q4_0 file, made once under runs/). The rows:
+
+  disk                       the disk's own rate in this run: 8 MiB reads in order, and 1 MiB reads
+                             at random offsets 16 and 32 at a time (the best is the limit)
+  llama-mmap                 stock llama-bench, mmap, --repack 0 (a repacked weight is copied out of the
+                             mapping into memory: llama.cpp's default repack does not fit the limit)
+  llama-mmap-repack          stock llama-bench, its defaults (reported, OOM or not)
+  spac-mmap                  spac with every weight mapped as today (--host-budget above the file)
+  spac-tier-no-read-ahead    the experts on the disk, read only when a pass uses them
+  spac-tier                  ... and read ahead after every pass
+  spac-tier-sd               ... with speculation: the pool draft (a CPU pool of 5%) names the experts
+                             the verify pass will use while it drafts
+
+Per row: decode and prompt tok/s, the bytes the row's process read from the disk (getrusage's
+block reads) and its stalls: a spac gate's expert that was not in memory, llama.cpp's major page
+faults (a fault that waited for the disk). Prints the CPU, whether the machine was idle, and each
+row against llama-mmap. `--json FILE` writes the rows: {"system", "decode_tok_s", "prompt_tok_s",
+"bytes_read", "stalls", ...}, llama.cpp's systems named llama-*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import memory_cgroup  # noqa: E402
+from bench_cpu import cpu_description  # noqa: E402
+from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
+
+DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
+PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
+
+
+def make_file(path: Path) -> Path:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "qwen3-30b-a3b", str(path),
+                        "--n-layer", "6"], check=True)
+    return path
+
+
+def disk_rates(path: Path, n_bytes: int = 512 << 20) -> dict:
+    """Bytes/s reading the file from the disk: in order (8 MiB reads), and 1 MiB reads at random
+    offsets, 16 and 32 in flight."""
+    fd = os.open(path, os.O_RDONLY)
+    size = os.path.getsize(path)
+    rng = random.Random(0)
+    out = {}
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t, done = time.perf_counter(), 0
+        while done < min(n_bytes, size):
+            done += len(os.pread(fd, 8 << 20, done))
+        out["sequential"] = done / (time.perf_counter() - t)
+        for depth in (16, 32):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            offsets = [rng.randrange(0, size - (1 << 20)) & ~4095 for _ in range(256)]
+            t = time.perf_counter()
+            with ThreadPoolExecutor(depth) as pool:
+                done = sum(pool.map(lambda o: len(os.pread(fd, 1 << 20, o)), offsets))
+            out[f"random_1m_qd{depth}"] = done / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+    return out
+
+
+def in_limit(cmd: list[str], limit: int, path: Path) -> tuple[str, dict]:
+    """cmd in a fresh cgroup with the file out of the page cache: (stdout, the cgroup's report with
+    the child's block reads and major faults)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc, report = memory_cgroup.run(cmd, limit, [path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    report |= {"bytes_read": (after.ru_inblock - before.ru_inblock) * 512, "majflt": after.ru_majflt - before.ru_majflt}
+    if proc.returncode != 0 and not report["oom_kills"]:
+        raise RuntimeError(f"{' '.join(cmd[:3])}... exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    return proc.stdout, report
+
+
+def llama_row(name: str, path: Path, limit: int, settings: list[str], n_prompt: int, n_gen: int) -> dict:
+    bench = str(stock_program("llama-bench"))
+    row = {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": 0, "stalls": 0, "oom": False}
+    for key, p, n in (("prompt_tok_s", n_prompt, 0), ("decode_tok_s", 0, n_gen)):
+        out, rep = in_limit([bench, "-m", str(path), "-t", "2", "-p", str(p), "-n", str(n), "-r", "1", "-mmp", "1",
+                             *settings, "-o", "json"], limit, path)
+        if rep["oom_kills"]:
+            row["oom"] = True
+            return row
+        row[key] = json.loads(out)[0]["avg_ts"]
+        row["bytes_read"] += rep["bytes_read"]
+        row["stalls"] += rep["majflt"]
+    return row
+
+
+def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int) -> dict:
+    out, rep = in_limit([str(ROOT / ".venv" / "bin" / "spac"), "generate", "-m", str(path), "-t", "2", "--temp", "0",
+                         "-n", str(n_gen), "--json", *flags, PROMPT], limit, path)
+    if rep["oom_kills"]:
+        return {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": rep["bytes_read"],
+                "stalls": 0, "oom": True}
+    d = json.loads(out)
+    tier = d.get("host_tier") or {}
+    return {"system": name, "decode_tok_s": (d["n_tokens"] - 1) / d["decode_s"],
+            "prompt_tok_s": d["n_prompt_tokens"] / d["prefill_s"], "bytes_read": rep["bytes_read"],
+            "stalls": tier.get("stalls", rep["majflt"]), "majflt": rep["majflt"], "oom": False,
+            "hits": tier.get("hits"), "tokens": d["tokens"], "acceptance_rate": d.get("acceptance_rate"),
+            "peak": rep["peak"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", type=Path, default=DEFAULT_FILE)
+    ap.add_argument("--limit", default="768M", help="the memory cgroup's limit (the file must be >= 3x)")
+    ap.add_argument("--n-prompt", type=int, default=64, help="llama-bench's prompt tokens (spac's prompt is ~64)")
+    ap.add_argument("--n-gen", type=int, default=24)
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args()
+    limit = memory_cgroup.parse_size(args.limit)
+    why = memory_cgroup.available()
+    if why:
+        sys.exit(f"bench_disk: needs a memory cgroup: {why}")
+    path = make_file(args.file)
+    size = path.stat().st_size
+    if size < 3 * limit:
+        sys.exit(f"bench_disk: {path} ({size / 2**30:.2f} GiB) is not 3x --limit {args.limit}")
+    print(f"CPU: {cpu_description()}")
+    print(f"file {path.name} {size / 2**30:.2f} GiB, limit {limit / 2**30:.2f} GiB ({size / limit:.1f}x), "
+          f"2 threads, decode {args.n_gen} tokens", flush=True)
+    machine0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    rates = disk_rates(path)
+    print("disk: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in rates.items()), flush=True)
+    spac_tier = ["--draft", "none"]
+    rows = [llama_row("llama-mmap", path, limit, ["--repack", "0"], args.n_prompt, args.n_gen),
+            llama_row("llama-mmap-repack", path, limit, [], args.n_prompt, args.n_gen),
+            spac_row("spac-mmap", path, limit, [*spac_tier, "--host-budget", f"{2 * size}"], args.n_gen),
+            spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen),
+            spac_row("spac-tier", path, limit, spac_tier, args.n_gen),
+            spac_row("spac-tier-sd", path, limit, ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"],
+                     args.n_gen)]
+    busy = machine_cpu_seconds() - machine0
+    own = own_cpu_seconds() - own0
+    wall = time.monotonic() - t0
+    base = rows[0]["decode_tok_s"] or float("nan")
+    print(f"{'system':26s} {'decode tok/s':>12s} {'÷ llama':>8s} {'prompt tok/s':>12s} {'read MiB':>9s} {'stalls':>7s}")
+    for r in rows:
+        note = " OOM-killed" if r["oom"] else ""
+        print(f"{r['system']:26s} {r['decode_tok_s']:12.2f} {r['decode_tok_s'] / base:8.2f} {r['prompt_tok_s']:12.1f} "
+              f"{r['bytes_read'] / 2**20:9.0f} {r['stalls']:7d}{note}")
+    texts = {r["system"]: r["tokens"] for r in rows if r.get("tokens")}
+    same = len({tuple(t) for t in texts.values()}) == 1
+    print(f"spac rows give the same tokens: {same}")
+    print(f"machine busy {busy:.0f} CPU-s in {wall:.0f} s, this run's own {own:.0f} CPU-s: "
+          f"{'idle otherwise' if busy - own < 0.05 * busy else 'NOT idle: another process ran'}")
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_description(), "disk": rates, "limit": limit, "file_bytes": size,
+                                         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
