@@ -91,10 +91,15 @@ def capacity(config: SimConfig) -> int:
     return max(0, min(n_all, int(math.floor(free / c.expert_bytes))))
 
 
-def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, steps: int, seed: int) -> dict:
+def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, steps: int, seed: int,
+             gammas=GAMMAS, **config_args) -> dict:
     """The row at its best γ (as the governor picks γ live): γ = 0, or the best of 1, 2, 4, 8; the
-    cache with a CPU share also at its best share (as a user tunes it)."""
-    gammas = GAMMAS if speculative else (0,)
+    cache with a CPU share also at its best share (as a user tunes it). config_args: SimConfig's
+    fields besides the setting (host_ram, disk: bench/sim_disk_projection.py)."""
+    if config_args:
+        return max((row(card, model, quant, g, policy, steps, seed, config_args)
+                    for g in (gammas if speculative else (0,))), key=lambda r: r["tok_s"])
+    gammas = gammas if speculative else (0,)
     if policy == "llama-moe-cache+cpu-share":  # the shares tried at the cache's own best γ (share 0)
         best = best_row(card, model, quant, speculative, "llama-moe-cache", steps, seed)
         tuned = (row(card, model, quant, best["gamma"], "llama-moe-cache", steps, seed, cpu_share=share)
@@ -103,7 +108,8 @@ def best_row(card: str, model: str, quant: str, speculative: bool, policy: str, 
     return max((row(card, model, quant, g, policy, steps, seed) for g in gammas), key=lambda r: r["tok_s"])
 
 
-def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, seed: int, **policy_args) -> dict:
+def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, seed: int,
+        config_args: dict | None = None, **policy_args) -> dict:
     speculative = gamma > 0
     if model in FAMILIES:
         trace = family_trace(model, steps, gamma=gamma, acceptance=0.75, draft_fidelity=None, seed=seed)
@@ -113,7 +119,8 @@ def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, 
                                  acceptance=0.75, draft_fidelity=None, seed=seed, name=f"synthetic {m.name}",
                                  layer_index=m.layer_index)
     config = SimConfig(hardware=card, model=model, draft=DRAFT if speculative else None, quant=quant,
-                       draft_quant=DRAFT_QUANT, snapshots=gamma)  # a hybrid's n_rs_seq: --draft-max γ
+                       draft_quant=DRAFT_QUANT, snapshots=gamma,  # a hybrid's n_rs_seq: --draft-max γ
+                       **(config_args or {}))
     config = replace(config, capacity=capacity(config))
     costs = config.costs()
     if policy in ENGINE:  # spac's engine: a crossing in every split layer, the zero slot on the device
@@ -122,7 +129,8 @@ def row(card: str, model: str, quant: str, gamma: int, policy: str, steps: int, 
     warm = steps // 3  # steady state: the pool fills at the link's pace first (spac paces its copies)
     tok_s = float((trace.n_accepted[warm:] + 1).sum() / r.step_time[warm:].sum())
     n_all = profiles.model(model).n_layer * profiles.model(model).n_expert
-    return {"slots": config.capacity, "share": config.capacity / n_all, "tok_s": tok_s, "gamma": gamma, **policy_args}
+    return {"slots": config.capacity, "share": config.capacity / n_all, "tok_s": tok_s, "gamma": gamma,
+            "host_slots": r.host_slots, "disk_GB_per_token": r.disk_bytes / 1e9 / r.tokens, **policy_args}
 
 
 def main() -> None:
