@@ -22,6 +22,11 @@ block reads) and its stalls: a spac gate's expert that was not in memory, llama.
 faults (a fault that waited for the disk). Prints the CPU, whether the machine was idle, and each
 row against llama-mmap. `--json FILE` writes the rows: {"system", "decode_tok_s", "prompt_tok_s",
 "bytes_read", "stalls", ...}, llama.cpp's systems named llama-*.
+
+Predicted: each spac tier row records its passes' choices (the tier's trace) and runs once more
+with no limit and the file in the page cache (the same kernels, no disk: its decode time); the
+simulator replays the trace on the disk measured here (orchestrator/sim/tier_replay.py,
+orchestrator/sim/disk.py's measure_disk) and predicts the row's decode tok/s.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
 import resource
 import subprocess
@@ -43,7 +49,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import memory_cgroup  # noqa: E402
 from bench_cpu import cpu_description  # noqa: E402
-from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
+from bench_live import stock_program  # noqa: E402
+
+from orchestrator.sim.disk import measure_disk  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
@@ -98,7 +106,7 @@ def llama_row(name: str, path: Path, limit: int, settings: list[str], n_prompt: 
     bench = str(stock_program("llama-bench"))
     row = {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": 0, "stalls": 0, "oom": False}
     for key, p, n in (("prompt_tok_s", n_prompt, 0), ("decode_tok_s", 0, n_gen)):
-        out, rep = in_limit([bench, "-m", str(path), "-t", "2", "-p", str(p), "-n", str(n), "-r", "1", "-mmp", "1",
+        out, rep = in_limit([bench, "-m", str(path), "-t", "2", "-p", str(p), "-n", str(n), "-r", "1", "-lm", "mmap",
                              *settings, "-o", "json"], limit, path)
         if rep["oom_kills"]:
             row["oom"] = True
@@ -109,19 +117,76 @@ def llama_row(name: str, path: Path, limit: int, settings: list[str], n_prompt: 
     return row
 
 
-def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int) -> dict:
-    out, rep = in_limit([str(ROOT / ".venv" / "bin" / "spac"), "generate", "-m", str(path), "-t", "2", "--temp", "0",
-                         "-n", str(n_gen), "--json", *flags, PROMPT], limit, path)
+def generate_recording(trace_path: Path, args: list[str]) -> None:
+    """In its own process: `spac generate ARGS` with the host tier's trace written to trace_path."""
+    from orchestrator.cli.main import app
+    from orchestrator.runtime import host_tier
+
+    trace: list = []
+    opened = host_tier.HostTier.__init__
+
+    def recording(self, *a, **k):
+        opened(self, *a, **k)
+        self.trace = trace
+
+    host_tier.HostTier.__init__ = recording
+    try:
+        app(["generate", *args], standalone_mode=False)
+    finally:
+        trace_path.write_bytes(pickle.dumps(trace))
+
+
+def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, disk=None) -> dict:
+    """A spac row in the limit; with `disk` (a sim Disk), its decode time predicted too: the same
+    command run again without the limit, the file in the page cache and a tier just under it."""
+    trace_path = ROOT / "runs" / "bench_disk" / f"{name}.trace"
+    args = ["-m", str(path), "-t", "2", "--temp", "0", "-n", str(n_gen), "-c", "512", "--json", *flags, PROMPT]
+    out, rep = in_limit([sys.executable, __file__, "--record", str(trace_path), "--", *args], limit, path)
     if rep["oom_kills"]:
         return {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": rep["bytes_read"],
                 "stalls": 0, "oom": True}
     d = json.loads(out)
     tier = d.get("host_tier") or {}
-    return {"system": name, "decode_tok_s": (d["n_tokens"] - 1) / d["decode_s"],
-            "prompt_tok_s": d["n_prompt_tokens"] / d["prefill_s"], "bytes_read": rep["bytes_read"],
-            "stalls": tier.get("stalls", rep["majflt"]), "majflt": rep["majflt"], "oom": False,
-            "hits": tier.get("hits"), "tokens": d["tokens"], "acceptance_rate": d.get("acceptance_rate"),
-            "peak": rep["peak"]}
+    row = {"system": name, "decode_tok_s": (d["n_tokens"] - 1) / d["decode_s"],
+           "prompt_tok_s": d["n_prompt_tokens"] / d["prefill_s"], "bytes_read": rep["bytes_read"],
+           "stalls": tier.get("stalls", rep["majflt"]), "majflt": rep["majflt"], "oom": False,
+           "hits": tier.get("hits"), "tokens": d["tokens"], "acceptance_rate": d.get("acceptance_rate"),
+           "peak": rep["peak"]}
+    if disk is not None and tier.get("experts_on_disk"):
+        row |= predict(path, args, tier, trace_path, disk, "--no-disk-read-ahead" not in flags, d)
+    return row
+
+
+def predict(path: Path, args: list[str], tier: dict, trace_path: Path, disk, read_ahead: bool, live: dict) -> dict:
+    """The simulator's decode tok/s for a live tier row (orchestrator/sim/tier_replay.py)."""
+    from orchestrator.sim.tier_replay import replay
+
+    under = str(path.stat().st_size - 1)  # every expert fits the tier: the same kernels, nothing to read
+    memory_args = [*args[:-1], "--host-budget", under, args[-1]]
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "spac"), "generate", *memory_args], capture_output=True,
+                         text=True, check=True).stdout
+    memory = json.loads(out)
+    trace = pickle.loads(trace_path.read_bytes())
+    got = replay(trace, tier["capacity"], int(tier["expert_bytes"] // tier["one_expert_bytes"] // len(trace[0][1])),
+                 tier["one_expert_bytes"], disk, memory["decode_s"], read_ahead)
+    predicted = (live["n_tokens"] - 1) / got["decode_s"]
+    return {"predicted_decode_tok_s": predicted, "memory_decode_tok_s": (memory["n_tokens"] - 1) / memory["decode_s"],
+            "predicted_stalls": got["stalls"], "same_tokens_in_memory": memory["tokens"] == live["tokens"]}
+
+
+def user_cpu_seconds() -> dict[int, float]:
+    """CPU seconds of every user-space process now, by pid (kernel threads left out: the page
+    cache's reclaim and readahead run there, on this benchmark's behalf)."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[6]) & 0x00200000:  # PF_KTHREAD
+            continue
+        out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def main() -> None:
@@ -131,7 +196,12 @@ def main() -> None:
     ap.add_argument("--n-prompt", type=int, default=64, help="llama-bench's prompt tokens (spac's prompt is ~64)")
     ap.add_argument("--n-gen", type=int, default=24)
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.record:
+        generate_recording(args.record, args.rest[1:] if args.rest[:1] == ["--"] else args.rest)
+        return
     limit = memory_cgroup.parse_size(args.limit)
     why = memory_cgroup.available()
     if why:
@@ -143,31 +213,38 @@ def main() -> None:
     print(f"CPU: {cpu_description()}")
     print(f"file {path.name} {size / 2**30:.2f} GiB, limit {limit / 2**30:.2f} GiB ({size / limit:.1f}x), "
           f"2 threads, decode {args.n_gen} tokens", flush=True)
-    machine0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    others0, t0 = user_cpu_seconds(), time.monotonic()
     rates = disk_rates(path)
-    print("disk: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in rates.items()), flush=True)
-    spac_tier = ["--draft", "none"]
+    disk = measure_disk(path)
+    print("disk: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in rates.items())
+          + f"; the simulator's: {disk.read_bytes_per_s / 1e6:.0f} MB/s, {disk.latency_s * 1e6:.0f} us, "
+          f"queue depth {disk.queue_depth}", flush=True)
+    spac_tier = ["--draft", "none"]  # -c 512 in every spac row: llama-bench's context is its own tokens
     rows = [llama_row("llama-mmap", path, limit, ["--repack", "0"], args.n_prompt, args.n_gen),
             llama_row("llama-mmap-repack", path, limit, [], args.n_prompt, args.n_gen),
             spac_row("spac-mmap", path, limit, [*spac_tier, "--host-budget", f"{2 * size}"], args.n_gen),
-            spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen),
-            spac_row("spac-tier", path, limit, spac_tier, args.n_gen),
+            spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen, disk),
+            spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk),
             spac_row("spac-tier-sd", path, limit, ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"],
-                     args.n_gen)]
-    busy = machine_cpu_seconds() - machine0
-    own = own_cpu_seconds() - own0
+                     args.n_gen, disk)]
+    others = user_cpu_seconds()
+    mine = {os.getpid()}
+    others_s = sum(v - others0.get(pid, 0.0) for pid, v in others.items() if pid not in mine)
     wall = time.monotonic() - t0
     base = rows[0]["decode_tok_s"] or float("nan")
-    print(f"{'system':26s} {'decode tok/s':>12s} {'÷ llama':>8s} {'prompt tok/s':>12s} {'read MiB':>9s} {'stalls':>7s}")
+    print(f"{'system':26s} {'decode tok/s':>12s} {'÷ llama':>8s} {'prompt tok/s':>12s} {'read MiB':>9s} {'stalls':>7s}"
+          f" {'predicted':>10s} {'error':>6s}")
     for r in rows:
         note = " OOM-killed" if r["oom"] else ""
+        guess = r.get("predicted_decode_tok_s")
+        pred = f" {guess:10.2f} {guess / r['decode_tok_s'] - 1:+6.0%}" if guess else ""
         print(f"{r['system']:26s} {r['decode_tok_s']:12.2f} {r['decode_tok_s'] / base:8.2f} {r['prompt_tok_s']:12.1f} "
-              f"{r['bytes_read'] / 2**20:9.0f} {r['stalls']:7d}{note}")
+              f"{r['bytes_read'] / 2**20:9.0f} {r['stalls']:7d}{pred}{note}")
     texts = {r["system"]: r["tokens"] for r in rows if r.get("tokens")}
     same = len({tuple(t) for t in texts.values()}) == 1
     print(f"spac rows give the same tokens: {same}")
-    print(f"machine busy {busy:.0f} CPU-s in {wall:.0f} s, this run's own {own:.0f} CPU-s: "
-          f"{'idle otherwise' if busy - own < 0.05 * busy else 'NOT idle: another process ran'}")
+    print(f"other user processes: {others_s:.1f} CPU-s in {wall:.0f} s: "
+          f"{'idle otherwise' if others_s < 0.02 * wall else 'NOT idle: another process ran'}")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_description(), "disk": rates, "limit": limit, "file_bytes": size,
                                          "rows": rows}, indent=1))

@@ -72,6 +72,9 @@ class FakeDisk:
     def __init__(self):
         self.calls: list[tuple[int, set]] = []
 
+    def set_on_device(self, on_device):
+        self.on_device = on_device
+
     def advise(self, pairs, advice):
         self.calls.append((advice, {tuple(p) for p in np.asarray(pairs).reshape(-1, 2)}))
         return len(pairs)
@@ -104,6 +107,20 @@ def test_the_drafts_choices_are_read_ahead_and_kept():
     tier.lookahead(ids((6,), (7,)))
     assert (DISK_READ, {(0, 6), (1, 7)}) in disk.calls
     assert tier.resident[0, 6] and tier.resident[1, 7] and tier.resident.sum() == 4
+
+
+def test_what_the_device_pool_holds_is_not_kept_on_the_host_too():
+    disk = FakeDisk()
+    tier = HostTier(disk, n_moe_layers=2, n_expert=8, capacity=4)
+    on_device = np.zeros((2, 8), bool)
+    on_device[0, 0] = on_device[1, 2] = True
+    tier.after_pass(ids((0, 1), (2, 3)), on_device)
+    assert disk.on_device is on_device  # the gates leave those to the device
+    assert not (tier.resident & on_device).any()
+    assert tier.resident[0, 1] and tier.resident[1, 3]
+    tier.lookahead(ids((0, 5), (2, 6)))  # the draft chose device experts too: only the others are read
+    assert (DISK_READ, {(0, 5), (1, 6)}) in disk.calls
+    assert not (tier.resident & on_device).any()
 
 
 def test_without_read_ahead_nothing_is_read():

@@ -240,6 +240,9 @@ int32_t spac_disk_advise(struct llama_model * model, const int32_t * layer_exper
 // missing[i]: bytes of pair i not in memory now (0: all in memory; -1: no such pair); returns -1
 // when the experts are not on the disk
 int32_t spac_disk_missing(const struct llama_model * model, const int32_t * layer_expert, int32_t n, int64_t * missing);
+// on_device: [n_moe_layers][n_expert] bytes, 1 for an expert a device pool holds (the gates leave
+// it to the device); NULL: none. Copied; a stale entry costs a read, never a wrong result.
+void    spac_disk_set_on_device(struct llama_model * model, const uint8_t * on_device);
 void    spac_disk_get_stats  (const struct llama_model * model, struct spac_disk_stats * stats);
 void    spac_disk_reset_stats(struct llama_model * model);
 

@@ -93,6 +93,18 @@ llama_experts_on_disk::llama_experts_on_disk(const llama_model & model) {
         }
     }
     moe_layers = llama_moe_layers(model);
+    for (size_t m = 0; m < moe_layers.size(); ++m) {
+        layers[moe_layers[m]].moe = (int) m;
+    }
+}
+
+void llama_experts_on_disk::set_on_device(const uint8_t * mask) {
+    std::lock_guard<std::mutex> lock(on_device_mutex);
+    if (mask == nullptr) {
+        on_device.clear();
+    } else {
+        on_device.assign(mask, mask + moe_layers.size() * (size_t) n_expert);
+    }
 }
 
 bool llama_experts_on_disk::valid(int il, int expert) const {
@@ -135,6 +147,14 @@ void llama_experts_on_disk::gate_layer(const layer & l, const int32_t * ids, int
     // each chosen expert once, whatever the number of tokens that chose it; every read is asked for
     // before the layer waits on any of them
     std::vector<bool> seen(l.weights[0]->ne[2], false);
+    {
+        std::lock_guard<std::mutex> lock(on_device_mutex);
+        if (!on_device.empty() && l.moe >= 0) { // the device computes these: not read here
+            for (size_t e = 0; e < seen.size(); ++e) {
+                seen[e] = on_device[(size_t) l.moe * n_expert + e] != 0;
+            }
+        }
+    }
     for (int64_t i = 0; i < n; ++i) {
         const int32_t e = ids[i];
         if (e < 0 || e >= (int32_t) seen.size() || seen[e]) {

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 struct ggml_context;
@@ -33,6 +34,10 @@ struct llama_experts_on_disk {
     // bytes of the expert not in memory now (0: all of it is), -1 for a pair out of range
     int64_t missing_bytes(int il, int expert) const;
 
+    // the experts a device pool holds ([moe layer][expert], 1: held; nullptr: none): the gates do
+    // not read them, the device computes them
+    void set_on_device(const uint8_t * on_device);
+
     void get_stats(spac_disk_stats & out) const;
     void reset_stats();
 
@@ -44,9 +49,13 @@ private:
     struct layer {
         std::vector<const ggml_tensor *> weights;
         int il = -1;
+        int moe = -1; // its index among the MoE layers
         llama_experts_on_disk * disk = nullptr;
     };
     std::vector<layer> layers; // by model layer; empty weights: no routed experts there
+
+    mutable std::mutex on_device_mutex; // set by the orchestrator's thread, read by a graph's
+    std::vector<uint8_t> on_device;     // [moe layer][expert]; empty: nothing on a device
 
     std::atomic<uint64_t> n_gate_experts{0}, n_stalls{0}, bytes_stalled{0};
     std::atomic<uint64_t> n_read_ahead{0}, bytes_read_ahead{0}, n_dropped{0};

@@ -434,6 +434,12 @@ int32_t spac_disk_missing(const llama_model * model, const int32_t * layer_exper
     return n;
 }
 
+void spac_disk_set_on_device(llama_model * model, const uint8_t * on_device) {
+    if (spac_model_experts_on_disk(model)) {
+        model->experts_on_disk->set_on_device(on_device);
+    }
+}
+
 void spac_disk_get_stats(const llama_model * model, spac_disk_stats * stats) {
     *stats = {};
     if (spac_model_experts_on_disk(model)) {

@@ -132,7 +132,8 @@ def _tiers_info(tiers, live: dict | None = None) -> dict | None:
     if tiers is None:
         return None
     return {"budget": tiers.budget, "experts_on_disk": tiers.on_disk, "tier_bytes": tiers.tier,
-            "non_expert_bytes": tiers.non_expert, "expert_bytes": tiers.experts, **(live or {})}
+            "non_expert_bytes": tiers.non_expert, "expert_bytes": tiers.experts, "one_expert_bytes": tiers.one_expert,
+            "kv_bytes": tiers.context, **(live or {})}
 
 
 def _write(text: str) -> None:

@@ -126,7 +126,7 @@ def session_setup(opts: RunOptions) -> Setup:
     elif draft.kind is DraftKind.POOL:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
     pool = p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
-    tiers = _host_tiers(opts, sizes, pool if not off else ())
+    tiers = _host_tiers(opts, sizes, pool if not off else (), p.n_gpu_layers, draft.kind is DraftKind.POOL and not off)
     if tiers.on_disk:
         notes.append(f"experts on the disk: {tiers.tier // max(tiers.one_expert, 1)} of "
                      f"{tiers.experts // max(tiers.one_expert, 1)} kept in memory (--host-budget)")
@@ -138,15 +138,19 @@ def session_setup(opts: RunOptions) -> Setup:
     return Setup(cfg, notes, off, p.state_bytes)
 
 
-def _host_tiers(opts: RunOptions, sizes, pool: tuple[PoolDevice, ...]) -> HostTiers:
+def _host_tiers(opts: RunOptions, sizes, pool: tuple[PoolDevice, ...], n_gpu_layers: int, pool_draft: bool) -> HostTiers:
     """--host-budget against the model's sizes: where its experts are read from. A file larger than
     the budget keeps its experts on the disk; what cannot work then is one line and exit 2."""
     cfg = opts.config
     on_host = sum(d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes) for d in pool if d.on_host)
     on_device = sum(d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes) for d in pool if not d.on_host)
+    # the KV caches of the layers left on the host: the target's, and a pool draft's of the same shape
+    host_layers = 1.0 if n_gpu_layers == 0 else max(sizes.n_layer - max(n_gpu_layers, 0), 0) / max(sizes.n_layer, 1)
+    n_ctx = cfg.n_ctx or sizes.n_ctx_train or 4096
+    kv = int(sizes.kv_bytes_per_token * n_ctx * host_layers * (2 if pool_draft else 1))
     try:
         tiers = plan_tiers(HostBudget.parse(cfg.host_budget), sizes.non_expert_bytes, sizes.expert_bytes,
-                           sizes.one_expert, pool_host=on_host, pool_device=on_device)
+                           sizes.one_expert, pool_host=on_host, pool_device=on_device, context=kv)
     except ValueError as e:  # --mlock would lock what does not fit
         fail(f"{'--mlock with ' if cfg.mlock else ''}--host-budget: {e}")
     if tiers.on_disk:

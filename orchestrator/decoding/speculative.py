@@ -352,7 +352,7 @@ class Session:
 
     def _after_target_pass(self) -> None:
         if self.host_tier is not None:
-            self.host_tier.after_pass(self.tier_routing.last()[0])
+            self.host_tier.after_pass(self.tier_routing.last()[0], self._resident() if self.engine is not None else None)
 
     def _device_spans(self, stats: dict) -> tuple[tuple[int, int, int], ...]:
         """PolicyContext.devices: each pool device's MoE layers and slots (() for one device)."""

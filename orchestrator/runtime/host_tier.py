@@ -123,10 +123,16 @@ class HostTiers:
     one_expert: int       # one expert's bytes (all its matrices)
     pool_host: int = 0    # an expert pool's copies in host memory (the CPU test device): out of the budget
     pool_device: int = 0  # an expert pool's copies on a device
+    context: int = 0      # the KV caches in host memory
+
+    @property
+    def held(self) -> int:
+        """What the budget holds before any expert: the other weights, a host pool, the KV caches."""
+        return self.non_expert + self.pool_host + self.context
 
     @property
     def tier(self) -> int:
-        return max(min(self.budget - self.non_expert - self.pool_host, self.experts), 0)
+        return max(min(self.budget - self.held, self.experts), 0)
 
     @property
     def on_disk(self) -> bool:
@@ -142,21 +148,22 @@ class HostTiers:
         device = [f"device: {pool / gib:.2f} GiB of experts (the pool{where})"] if pool else []
         return device + [
                 f"host:   {self.tier / gib:.2f} GiB of experts ({self.tier // max(self.one_expert, 1)} of "
-                f"{self.experts // max(self.one_expert, 1)}) + {self.non_expert / gib:.2f} GiB of other weights "
-                f"(host budget {self.budget / gib:.2f} GiB, --host-budget)",
+                f"{self.experts // max(self.one_expert, 1)}) + {self.non_expert / gib:.2f} GiB of other weights + "
+                f"{self.context / gib:.2f} GiB of KV cache (host budget {self.budget / gib:.2f} GiB, --host-budget)",
                 f"disk:   {(self.experts - self.tier) / gib:.2f} GiB of experts, read when used or ahead"]
 
 
 def plan_tiers(budget: HostBudget, non_expert: int, experts: int, one_expert: int, pool_host: int = 0,
-               pool_device: int = 0, available: int | None = None) -> HostTiers:
-    """The tiers for a model of these sizes; ValueError when even the non-expert weights (and a
-    host pool) do not fit."""
+               pool_device: int = 0, context: int = 0, available: int | None = None) -> HostTiers:
+    """The tiers for a model of these sizes; ValueError when even the non-expert weights, a host
+    pool and the KV caches do not fit beside one expert."""
     avail = memory_available() if available is None else available
-    tiers = HostTiers(budget.resolve(avail), non_expert, experts, one_expert, pool_host, pool_device)
-    if tiers.on_disk and tiers.budget < non_expert + pool_host + one_expert:
+    tiers = HostTiers(budget.resolve(avail), non_expert, experts, one_expert, pool_host, pool_device, context)
+    if tiers.on_disk and tiers.budget < tiers.held + one_expert:
         raise ValueError(f"{tiers.budget / 2**30:.2f} GiB does not hold the model's "
-                         f"{non_expert / 2**30:.2f} GiB of non-expert weights, one expert and "
-                         f"{pool_host / 2**30:.2f} GiB of host pool (--expert-budget) "
+                         f"{non_expert / 2**30:.2f} GiB of non-expert weights, one expert, "
+                         f"{pool_host / 2**30:.2f} GiB of host pool (--expert-budget) and "
+                         f"{context / 2**30:.2f} GiB of KV cache (-c) "
                          f"(memory available now: {avail / 2**30:.2f} GiB)")
     return tiers
 
@@ -164,8 +171,12 @@ def plan_tiers(budget: HostBudget, non_expert: int, experts: int, one_expert: in
 class HostTier:
     """The experts kept in memory, for one model whose experts are on the disk.
 
-    engine: a native.ExpertsOnDisk; capacity: how many experts the tier holds; read_ahead=False
-    is the ablation that only keeps and drops (every miss then stalls its layer)."""
+    disk: a native.ExpertsOnDisk; capacity: how many experts the tier holds; read_ahead=False
+    is the ablation that only keeps and drops (every miss then stalls its layer). The tier is
+    exclusive of a device pool: an expert the device holds is not kept in host memory too (a
+    copy to the device read it; were the pool to give it back, it is read from the disk again).
+    `trace`, when a list, gets every pass's and lookahead's choices (bench/bench_disk.py replays
+    them in the simulator)."""
 
     def __init__(self, disk, n_moe_layers: int, n_expert: int, capacity: int, read_ahead: bool = True):
         self.disk = disk
@@ -173,12 +184,19 @@ class HostTier:
         self.read_ahead = read_ahead
         self.score = np.zeros((n_moe_layers, n_expert), np.float64)
         self.resident = np.zeros((n_moe_layers, n_expert), bool)
+        self.on_device = np.zeros((n_moe_layers, n_expert), bool)
         self.n_passes = 0
+        self.trace: list | None = None
 
-    def after_pass(self, ids: np.ndarray) -> None:
-        """ids: the pass's choices, [n_moe_layers, n_tokens, k]. They are in memory now (their
-        gates read them); rank again, read ahead what ranks in and is not in memory, drop what
-        ranks out."""
+    def after_pass(self, ids: np.ndarray, on_device: np.ndarray | None = None) -> None:
+        """ids: the pass's choices, [n_moe_layers, n_tokens, k]; on_device: what the device pool
+        holds now ([n_moe_layers, n_expert] bool). The choices are in memory now (their gates read
+        them); rank again, read ahead what ranks in and is not in memory, drop what ranks out."""
+        if self.trace is not None:
+            self.trace.append(("pass", ids.copy(), None if on_device is None else on_device.copy()))
+        if on_device is not None and not np.array_equal(on_device, self.on_device):
+            self.on_device = on_device
+            self.disk.set_on_device(on_device)
         self.n_passes += 1
         used = np.zeros_like(self.resident)
         m = np.broadcast_to(np.arange(ids.shape[0])[:, None, None], ids.shape)
@@ -186,12 +204,14 @@ class HostTier:
         np.add.at(self.score, (m[valid], ids[valid]), 1.0)
         used[m[valid], ids[valid]] = True
         self.score *= DECAY
-        self.resident |= used
+        self.resident |= used & ~self.on_device  # the device computed its own: their gates read nothing
         self._settle(keep=used)
 
     def lookahead(self, ids: np.ndarray) -> None:
         """The draft's choices for tokens the next pass verifies ([n_moe_layers, n_tokens, k]):
         ranked first, and read now."""
+        if self.trace is not None:
+            self.trace.append(("lookahead", ids.copy(), None))
         m = np.broadcast_to(np.arange(ids.shape[0])[:, None, None], ids.shape)
         valid = ids >= 0
         wanted = np.zeros_like(self.resident)
@@ -202,7 +222,7 @@ class HostTier:
     def _settle(self, keep: np.ndarray) -> None:
         """Hold the `capacity` best-ranked experts (`keep` first): read those not in memory,
         drop the others."""
-        rank = self.score + keep * 1e9  # what the passes need now outranks any history
+        rank = (self.score + keep * 1e9) * ~self.on_device  # what the passes need now outranks any history
         flat = np.argsort(-rank, axis=None, kind="stable")[:self.capacity]
         want = np.zeros(self.resident.size, bool)
         want[flat] = True

@@ -158,6 +158,7 @@ def _bind():
         "model_experts_on_disk": fn("spac_model_experts_on_disk", c_bool, c_void_p),
         "disk_advise": fn("spac_disk_advise", c_int32, c_void_p, c_void_p, c_int32, c_int32),
         "disk_missing": fn("spac_disk_missing", c_int32, c_void_p, c_void_p, c_int32, c_void_p),
+        "disk_set_on_device": fn("spac_disk_set_on_device", None, c_void_p, c_void_p),
         "disk_get_stats": fn("spac_disk_get_stats", None, c_void_p, POINTER(SpacDiskStats)),
         "disk_reset_stats": fn("spac_disk_reset_stats", None, c_void_p),
     }
@@ -276,6 +277,11 @@ class ExpertsOnDisk:
         if len(a):
             lib()["disk_missing"](self._model, a.ctypes.data, len(a), out.ctypes.data)
         return out
+
+    def set_on_device(self, on_device: np.ndarray | None) -> None:
+        """What a device pool holds ([n_moe_layers, n_expert] bool): the gates leave it to the device."""
+        mask = None if on_device is None else np.ascontiguousarray(on_device, dtype=np.uint8)
+        lib()["disk_set_on_device"](self._model, None if mask is None else mask.ctypes.data)
 
     def stats(self) -> dict:
         s = SpacDiskStats()
