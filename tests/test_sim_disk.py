@@ -13,9 +13,9 @@ from orchestrator.cli.main import app as spac
 from orchestrator.policies import make_policy
 from orchestrator.sim import profiles
 from orchestrator.sim.disk import Disk, measure_disk, write_measure_file
-from orchestrator.sim.host_tier import HOST_MARGIN
+from orchestrator.sim.host_tier import DECAY, HOST_MARGIN, RankedTier
 from orchestrator.sim.limit import limit
-from orchestrator.sim.simulator import SimConfig, Simulator
+from orchestrator.sim.simulator import Pool, SimConfig, Simulator
 from orchestrator.sim.synthetic import RoutingModel, synthesize_trace
 from tests.test_sim_profile import MACHINE
 
@@ -60,10 +60,90 @@ def test_a_read_ahead_of_every_needed_expert_never_stalls(trace):
     # room for a pass's experts besides the pool's (a read with no slot to land in is read again)
     ram = ram_for(trace, 0.6)
     for name in ("spac", "spac/host"):
-        ahead = run(trace, name, host_ram=ram, read_ahead="next-pass")
-        none = run(trace, name, host_ram=ram, read_ahead="none")
+        ahead = run(trace, name, host_ram=ram, read_ahead="next-pass", host_exclusive=False)
+        none = run(trace, name, host_ram=ram, read_ahead="none", host_exclusive=False)
         assert ahead.disk_stalls == 0 and none.disk_stalls > 0, name
         assert ahead.time_s <= none.time_s * (1 + 1e-9), name
+        # exclusive, what the pool evicts after the ranking is on the disk: fewer stalls, not none
+        ahead = run(trace, name, host_ram=ram, read_ahead="next-pass")
+        none = run(trace, name, host_ram=ram, read_ahead="none")
+        assert ahead.disk_stalls < none.disk_stalls and ahead.time_s <= none.time_s * (1 + 1e-9), name
+
+
+def test_the_tier_never_holds_what_the_device_pool_holds(trace, monkeypatch):
+    """Exclusive: after every call into the tier and every copy, no expert is both in the host
+    tier and in the pool, and after every ranking the tier holds at most its slots."""
+    calls = []
+
+    def checked(method, settles=False):
+        def wrapper(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            tier = self if isinstance(self, RankedTier) else self.tier
+            if tier is not None:  # (the pool's first placement comes before the tier)
+                assert not (tier.in_host & tier.device).any(), method.__name__
+                assert not settles or tier.in_host.sum() <= tier.slots
+                calls.append(method.__name__)
+            return out
+        return wrapper
+
+    for cls, name, settles in ((RankedTier, "after_pass", True), (RankedTier, "lookahead", True),
+                               (RankedTier, "ready", False), (Pool, "copy", False), (Pool, "apply", False)):
+        monkeypatch.setattr(cls, name, checked(getattr(cls, name), settles))
+    for share in (0.6, 0.25):
+        for name in ("spac", "spac/host"):
+            r = run(trace, name, host_ram=ram_for(trace, share))
+            assert r.host_slots is not None and r.disk_stalls > 0
+    assert {"after_pass", "ready", "copy"} <= set(calls)
+
+
+@pytest.mark.parametrize("cache_ratio, share", [(0.2, 0.2), (0.2, 0.4), (0.4, 0.4), (0.4, 0.6)])
+def test_an_exclusive_tier_is_never_slower_where_the_pool_is_a_large_share_of_it(trace, cache_ratio, share):
+    """The tier at most twice the pool (a 24 GB card beside 32 GB of RAM): the inclusive tier
+    spends its slots on the pool's experts. (Where the tier is much larger than a pool that
+    churns, the exclusive one can lose a few percent: an expert the pool evicts is on the disk.)"""
+    for name in ("spac", "spac/host"):
+        for rank in ("uses", "utility"):
+            config = dict(cache_ratio=cache_ratio, host_ram=ram_for(trace, share), host_rank=rank)
+            exclusive = Simulator(trace, SimConfig(**config)).run(make_policy(name))
+            inclusive = Simulator(trace, SimConfig(**config, host_exclusive=False)).run(make_policy(name))
+            assert exclusive.time_s <= inclusive.time_s * (1 + 1e-9), (name, rank)
+
+
+def test_the_ranking_is_the_live_tiers():
+    """The same passes, lookaheads and device pools give the live tier's holdings, exactly."""
+    from orchestrator.runtime.host_tier import DECAY as LIVE_DECAY
+    from orchestrator.runtime.host_tier import HostTier
+
+    class FakeDisk:
+        def advise(self, pairs, advice):
+            return len(pairs)
+
+        def set_on_device(self, on_device):
+            pass
+
+    n_layer, n_expert, k, capacity = 3, 8, 2, 6
+    rng = np.random.default_rng(1)
+    live = HostTier(FakeDisk(), n_layer, n_expert, capacity)
+    device = np.zeros((n_layer, n_expert), dtype=bool)
+    sim = RankedTier(n_layer, n_expert, capacity, Disk(4e9, 1e-4), 1.0, device)
+    assert DECAY == LIVE_DECAY
+    for step in range(30):
+        n_tokens = int(rng.integers(1, 4))
+        ids = np.stack([np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tokens)])
+                        for _ in range(n_layer)])  # [n_layer, n_tokens, k]
+        device[...] = rng.random(device.shape) < 0.2
+        live.after_pass(ids, device.copy())
+        counts = np.zeros(device.shape)
+        for m in range(n_layer):
+            np.add.at(counts[m], ids[m].ravel(), 1)
+        sim.after_pass(counts, float(step))
+        np.testing.assert_array_equal(sim.in_host, live.resident, err_msg=f"pass {step}")
+        drafted = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_layer)])[:, None, :]
+        live.lookahead(drafted)
+        chose = np.zeros(device.shape, dtype=bool)
+        chose[np.arange(n_layer)[:, None], drafted[:, 0, :]] = True
+        sim.lookahead(chose, step + 0.5)
+        np.testing.assert_array_equal(sim.in_host, live.resident, err_msg=f"lookahead {step}")
 
 
 def test_a_faster_disk_is_never_slower(trace, monkeypatch):

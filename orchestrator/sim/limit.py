@@ -33,8 +33,8 @@ Every policy's step time is therefore ≥ draft_s + fixed_pass_s + DP minimum, s
 its tokens (fixed by the trace) over its time ≤ tokens over the bound's time.
 
 With a host tier of H experts (a model larger than the host RAM, `host_tier`), memory holds at
-most H + capacity experts when a step starts (the host tier, and the pool, which a page cache
-need not hold); a pass needing m distinct experts must read at least m − H − capacity of them
+most H + capacity experts when a step starts (the host tier, and the pool, which spac's tier
+leaves out and a page cache need not hold); a pass needing m distinct experts must read at least m − H − capacity of them
 from the disk within the step, and the disk reads at most its rate. The step costs at least
 that many experts' bytes at the full rate, overlapped perfectly with everything else:
 max(the bound above, disk bytes / rate). Latency, queue depth and page faults only add to it. The bound is

@@ -31,8 +31,9 @@ them with a pass: a pass lasts at least its device work plus the copy in flight 
 A model larger than the host RAM (`SimConfig.host_ram`): a host tier (host_tier.py) holds the
 experts that fit, the rest are on the disk. A layer's misses (host compute, or copies to the
 device) wait until those of them on the disk are in host memory, and the device's copies read
-from the tier too; spac's policies read ahead what the next pass will need after each pass and
-each draft token, the others fault experts in as llama.cpp's mmap does.
+from the tier too. spac's policies get the live tier (ranked by use, exclusive of the device
+pool, reading ahead after each pass and each draft token), the others fault experts in as
+llama.cpp's mmap does.
 
 An expert counts as on the device for a layer when its slot was claimed before the pass and
 its copy has completed: before the pass starts (visibility "pass", the spac engine: residency
@@ -61,7 +62,7 @@ from orchestrator.policies.base import Feedback, Policy, PolicyContext, layer_us
 from orchestrator.policies.plan import Plan, StepRouting
 from orchestrator.sim import profiles
 from orchestrator.sim.disk import FAULT_THREADS
-from orchestrator.sim.host_tier import HostTier, host_slots
+from orchestrator.sim.host_tier import PageCache, RankedTier, host_slots
 from orchestrator.sim.profiles import CostModel
 from orchestrator.sim.trace import Trace
 
@@ -80,11 +81,16 @@ class SimConfig:
     snapshots: int = 0               # a hybrid target's recurrent-state snapshots (llama.cpp's n_rs_seq; spac: γ)
     # models larger than RAM (host_tier.py): the host RAM the run may use (None: unlimited, every
     # expert in RAM), the disk below it (a preset of hardware.toml; None: the hardware's own, else
-    # profiles.DEFAULT_DISK), what a planned tier reads ahead ("plan": what the plan names; "none";
-    # "next-pass": the next pass's routing, every expert it needs) and llama.cpp's faulting threads
+    # profiles.DEFAULT_DISK), what spac's tier reads ahead ("ranked": what ranks in, as live; "none":
+    # nothing, it only keeps and drops; "next-pass": an oracle, the next pass's experts first), how it
+    # ranks ("uses": the live tier's decayed counts; "utility": the policy's scores, an ablation),
+    # whether it leaves out the device pool's experts (as live; False: the inclusive ablation), and
+    # llama.cpp's faulting threads
     host_ram: float | None = None
     disk: str | None = None
-    read_ahead: str = "plan"
+    read_ahead: str = "ranked"
+    host_rank: str = "uses"
+    host_exclusive: bool = True
     fault_threads: int = FAULT_THREADS
 
     def costs(self) -> CostModel:
@@ -161,7 +167,7 @@ class Pool:
         self.n_allocated = 0
         self.prefetch_bytes = 0.0
         self.fetch_bytes = 0.0
-        self.tier: HostTier | None = None  # the host tier the copies read from (None: every expert in RAM)
+        self.tier: RankedTier | PageCache | None = None  # the host tier the copies read from (None: every expert in RAM)
 
     def visible(self, at: float) -> np.ndarray:
         return self.allocated & (self.ready_at <= at)
@@ -170,7 +176,7 @@ class Pool:
         """Claim a slot and queue the copy on the link; returns its completion time."""
         assert not self.allocated[layer, expert] and self.n_allocated < self.capacity
         if self.tier is not None and not free:  # the copy reads the expert from host memory
-            earliest = self.tier.source(layer, expert, earliest, self.allocated)
+            earliest = self.tier.source(layer, expert, earliest)
         if free:
             done = earliest
         else:
@@ -258,8 +264,10 @@ class Simulator:
             raise ValueError(f"capacity {self.capacity} outside [0, {n_slots}]")
         if config.visibility not in ("pass", "layer"):
             raise ValueError(f"visibility must be 'pass' or 'layer', got {config.visibility!r}")
-        if config.read_ahead not in ("plan", "none", "next-pass"):
-            raise ValueError(f"read_ahead must be 'plan', 'none' or 'next-pass', got {config.read_ahead!r}")
+        if config.read_ahead not in ("ranked", "none", "next-pass"):
+            raise ValueError(f"read_ahead must be 'ranked', 'none' or 'next-pass', got {config.read_ahead!r}")
+        if config.host_rank not in ("uses", "utility"):
+            raise ValueError(f"host_rank must be 'uses' or 'utility', got {config.host_rank!r}")
         # the host tier's experts; None: every expert fits in the host RAM (no disk)
         self.host_slots = None
         if config.host_ram is not None:
@@ -297,8 +305,9 @@ class Simulator:
         first = policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool))
         pool.apply(first, now=0.0, free=True, evicts=policy.evicts)
         tier = self._host_tier(policy, pool)
-        if tier is not None:
-            self._read_ahead(tier, policy, first, None, 0, 0.0, pool.allocated)
+        ranked = isinstance(tier, RankedTier)
+        if ranked and cfg.read_ahead == "next-pass":  # the oracle knows the first pass too
+            tier.after_pass(np.zeros((n_layer, n_expert)), 0.0, self._utility(policy), self._oracle(0))
 
         acc = dict(hits=0, unique_hits=0, cpu=0, fetched=0, needed=0, unique_needed=0, collisions=0)
         step_time = np.zeros(n_steps)
@@ -309,18 +318,19 @@ class Simulator:
             start = now
             draft_s = routing.n_drafted * c.draft_token_s
             pool.frozen_from = start + draft_s
-            if policy.uses_draft_routing and trace.has_draft_routing and routing.n_drafted:
+            lookahead = ranked and cfg.read_ahead == "ranked"  # the tier reads the draft's choices
+            if (policy.uses_draft_routing or lookahead) and trace.has_draft_routing and routing.n_drafted:
                 drafted = trace.draft_step(s)
                 for j in range(routing.n_drafted):
                     at = start + (j + 1) * c.draft_token_s
-                    p = policy.draft_plan(drafted[: j + 1], pool.allocated.copy())
-                    if tier is not None and tier.planned and cfg.read_ahead == "plan":
-                        # the experts the draft's token chose, and those the plan wants on the device
+                    if lookahead:
                         chose = np.zeros((n_layer, n_expert), dtype=bool)
                         rows, cols = np.nonzero(drafted[j] >= 0)
                         chose[rows, drafted[j][rows, cols]] = True
-                        tier.rank(policy.utility)
-                        tier.read_ahead(chose | (p.wanted() if p is not None else False), at, pool.allocated)
+                        tier.lookahead(chose, at, self._utility(policy))
+                    if not policy.uses_draft_routing:
+                        continue
+                    p = policy.draft_plan(drafted[: j + 1], pool.allocated.copy())
                     if p is not None:
                         pool.apply(p, now=at, evicts=policy.evicts)
             verify_start = start + draft_s
@@ -353,9 +363,8 @@ class Simulator:
             # the next pass starts once the next draft has drafted
             pool.frozen_from = now + (trace.n_drafted[s + 1] * c.draft_token_s if s + 1 < n_steps else np.inf)
             plan = policy.plan(routing, pool.allocated.copy(), feedback)
-            if tier is not None:
-                tier.pass_done()
-                self._read_ahead(tier, policy, plan, routing, s + 1, now, pool.allocated)
+            if ranked:  # as live: the tier ranks after the pass, before the plan's copies
+                tier.after_pass(routing.frequency(n_expert), now, self._utility(policy), self._oracle(s + 1))
             pool.apply(plan, now=now, evicts=policy.evicts)
 
         tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
@@ -371,34 +380,33 @@ class Simulator:
             step_time=step_time, config=asdict(self.config), **disk,
         )
 
-    def _host_tier(self, policy: Policy, pool: Pool) -> HostTier | None:
-        """The host tier when the experts do not all fit in host RAM: planned by policies that rank
-        every expert (spac's, by their `utility`), else llama.cpp's page cache; filled before
-        decoding with the device pool's experts first."""
+    def _host_tier(self, policy: Policy, pool: Pool) -> RankedTier | PageCache | None:
+        """The host tier when the experts do not all fit in host RAM: spac's for policies that rank
+        every expert (spac's engine runs them), else llama.cpp's page cache; filled before decoding."""
         if self.host_slots is None:
             return None
-        t, c = self.trace, self.costs
-        planned = getattr(policy, "utility", None) is not None
-        tier = HostTier(t.n_layer, t.n_expert, self.host_slots, c.disk or profiles.disk(profiles.DEFAULT_DISK),
-                        c.expert_bytes, planned, self.config.fault_threads)
+        t, c, cfg = self.trace, self.costs, self.config
+        disk = c.disk or profiles.disk(profiles.DEFAULT_DISK)
+        if getattr(policy, "utility", None) is not None:
+            tier = RankedTier(t.n_layer, t.n_expert, self.host_slots, disk, c.expert_bytes, pool.allocated,
+                              cfg.host_rank, cfg.host_exclusive, read_ahead=cfg.read_ahead != "none")
+        else:
+            tier = PageCache(t.n_layer, t.n_expert, self.host_slots, disk, c.expert_bytes, cfg.fault_threads)
         tier.fill(pool.allocated)
-        if planned:
-            tier.rank(policy.utility)
         pool.tier = tier
         return tier
 
-    def _read_ahead(self, tier: HostTier, policy: Policy, plan: Plan, routing: StepRouting | None, next_step: int,
-                    now: float, pinned: np.ndarray) -> None:
-        """After a verify pass: a planned tier reads what the next pass will need, ranked anew."""
-        if not tier.planned:
-            return
-        tier.rank(policy.utility)
-        mode, n_expert = self.config.read_ahead, self.trace.n_expert
-        if mode == "plan":  # the last pass's routing and the experts the plan wants on the device
-            used = False if routing is None else routing.frequency(n_expert) > 0
-            tier.read_ahead(used | plan.wanted(), now, pinned)
-        elif mode == "next-pass" and next_step < self.trace.n_steps:
-            tier.read_ahead(self.trace.step(next_step).frequency(n_expert) > 0, now, pinned, ranked=False)
+    def _utility(self, policy: Policy):
+        """The policy's scores, for a tier ranked by them (the ablation)."""
+        return policy.utility if self.config.host_rank == "utility" else None
+
+    def _oracle(self, step: int) -> np.ndarray | None:
+        """read_ahead "next-pass": the experts the next pass will use (None: the live rule)."""
+        if self.config.read_ahead != "next-pass":
+            return None
+        if step >= self.trace.n_steps:
+            return np.zeros((self.trace.n_layer, self.trace.n_expert), dtype=bool)
+        return self.trace.step(step).frequency(self.trace.n_expert) > 0
 
     def _verify(self, policy: Policy, pool: Pool, routing: StepRouting, start: float, acc: dict):
         """One verify pass from `start`; returns (end time, [n_layer] layer times, unit-cost samples)."""
@@ -438,7 +446,7 @@ class Simulator:
             host_experts = np.flatnonzero(miss)
             t_miss = t  # when the misses are in host memory: a host tier reads those on the disk first
             if pool.tier is not None:
-                t_miss = pool.tier.ready(layer, np.flatnonzero(miss & ~pool.allocated[layer]), t, pool.allocated)
+                t_miss = pool.tier.ready(layer, np.flatnonzero(miss & ~pool.allocated[layer]), t)
             # a gate after the router decides the misses: the device half waits for its choice on the host
             end_device = t + (c.sync_s if policy.gate_readback else 0.0) + device
             if policy.readback_max_tokens is not None and cached:
