@@ -10,10 +10,10 @@ depends on the system:
                         own choices first, are kept: those not in memory are read ahead (queued on
                         the disk, off the critical path) and the others dropped. While a draft with
                         routing drafts (a pool draft), each token's chosen experts count one more,
-                        rank first and are read. The tier is exclusive of the device pool: it never
-                        keeps, and does not count, an expert the pool holds. A copy to the device
-                        reads the expert from the tier, which then lets it go, or else from the
-                        disk; an expert the pool evicts is on the disk. A pass needing an expert
+                        rank first and are read. The tier is exclusive of the device pool: each
+                        ranking drops, and does not count, the experts the pool holds. A copy to
+                        the device reads the expert from the tier, or else from the disk; an
+                        expert the pool evicts is on the disk until a ranking reads it again. A pass needing an expert
                         still on the disk stalls: the layer's gate reads all its missing experts at
                         once (`Disk.read_s`), and they stay until the next ranking.
                         Ablations: rank="utility" (the policy's scores instead of the counts),
@@ -39,6 +39,9 @@ HOST_MARGIN = 1 << 30  # left free in host RAM besides the resident weights and 
 # not imported: that module loads the native engine's bindings)
 DECAY = 0.8
 FIRST = 1e9  # what a pass or the draft needs now outranks any history (the live tier's)
+# the experts the tier starts with count as chosen once by a prompt this many passes before the
+# first decoded one (an assumption: a trace has no prompt; the live tier ranks the prompt's pass)
+PROMPT_AGE = 30
 
 
 def host_slots(host_ram: float, resident_bytes: float, expert_bytes: float, n_experts: int) -> int:
@@ -135,11 +138,13 @@ class RankedTier(_Tier):
         self.score = np.zeros((n_layer, n_expert))
 
     def fill(self, first: np.ndarray) -> None:
-        """Exclusive: none of the pool's experts (`first`); inclusive: those first."""
-        if not self.exclusive:
-            return super().fill(first)
-        order = np.flatnonzero(~first.ravel())[: self.slots]
-        self.in_host.ravel()[order] = True
+        """Exclusive: none of the pool's experts (`first`); inclusive: those first. They and the
+        pool's rank as a prompt's choices would (else the first ranking would drop them all)."""
+        if self.exclusive:
+            self.in_host.ravel()[np.flatnonzero(~first.ravel())[: self.slots]] = True
+        else:
+            super().fill(first)
+        self.score[self.in_host | first] = DECAY ** PROMPT_AGE
 
     def after_pass(self, counts: np.ndarray, now: float, utility=None, keep: np.ndarray | None = None) -> None:
         """A verify pass has run; counts: [n_layer, n_expert] its tokens per expert. Rank again with
@@ -165,10 +170,16 @@ class RankedTier(_Tier):
         device's above all (inclusive): queue the reads of those not in memory, in layer order, and
         drop the others."""
         rank = self.score + keep * FIRST
-        rank = np.where(self.device, 0.0 if self.exclusive else 2 * FIRST, rank)
+        if self.exclusive:
+            eligible = ~self.device
+        else:
+            rank = np.where(self.device, 2 * FIRST, rank)
+            eligible = np.ones_like(self.device)
+        if self.rank == "uses":  # as the live tier: never an expert no pass has chosen
+            eligible &= rank > 0
         want = np.zeros(rank.size, dtype=bool)
-        want[np.argsort(-rank, axis=None, kind="stable")[: self.slots]] = True
-        want = want.reshape(rank.shape) & (rank > 0)  # as the live tier: never an expert no pass has chosen
+        want[np.argsort(-np.where(eligible, rank, -np.inf), axis=None, kind="stable")[: self.slots]] = True
+        want = want.reshape(rank.shape) & eligible
         drop = self.in_host & ~want
         self.in_host[drop] = False
         self.arrives_at[drop] = -np.inf
@@ -179,15 +190,13 @@ class RankedTier(_Tier):
             self.reads_ahead += len(read)
 
     def source(self, layer: int, expert: int, t: float) -> float:
-        """When a copy to the device, from t, has `expert` in host memory: from the tier (which lets
-        it go, exclusive), else read for the copy behind the queued reads (kept, inclusive)."""
+        """When a copy to the device, from t, has `expert` in host memory: from the tier (exclusive:
+        until the next ranking, as live, which drops it once the pool holds it; a copy cancelled
+        before then finds it still there), else read for the copy behind the queued reads (kept,
+        inclusive)."""
         flat = layer * self.n_expert + expert
         if self.in_host.ravel()[flat]:
-            at = max(t, float(self.arrives_at.ravel()[flat]))
-            if self.exclusive:
-                self.in_host.ravel()[flat] = False
-                self.arrives_at.ravel()[flat] = -np.inf
-            return at
+            return max(t, float(self.arrives_at.ravel()[flat]))
         at = float(self._queue(1, t)[0])
         if not self.exclusive:
             self.in_host.ravel()[flat] = True
