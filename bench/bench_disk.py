@@ -32,6 +32,7 @@ orchestrator/sim/disk.py's measure_disk) and predicts the row's decode tok/s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pickle
@@ -55,6 +56,12 @@ from orchestrator.sim.disk import measure_disk  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
+
+
+def expert_bytes(path: Path) -> int:
+    from orchestrator.gguf_files.model_sizes import model_sizes
+
+    return model_sizes(path).one_expert
 
 
 def make_file(path: Path) -> Path:
@@ -88,6 +95,35 @@ def disk_rates(path: Path, n_bytes: int = 512 << 20) -> dict:
     finally:
         os.close(fd)
     return out
+
+
+def gate_rate(path: Path, expert_bytes: int, fill: int, k: int = 8, n_batches: int = 24) -> float:
+    """In its own process (in the limit): bytes/s of reads as a MoE layer's gate asks for them: k
+    experts at random offsets, each three ranges of a third of an expert, all advised (madvise
+    WILLNEED on a MADV_RANDOM mapping, as upstream maps lazy tensors) before the pages are touched.
+    `fill` bytes of the file are read first, so the limit is full and every read reclaims, as in a run."""
+    import mmap
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        for off in range(0, min(fill, size), 8 << 20):
+            os.pread(f.fileno(), 8 << 20, size - min(fill, size) + off)
+    rng = random.Random(1)
+    third = expert_bytes // 3 & ~4095
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    m.madvise(mmap.MADV_RANDOM)
+    t, done, total = time.perf_counter(), 0, 0
+    for _ in range(n_batches):
+        ranges = [rng.randrange(0, size - third) & ~4095 for _ in range(3 * k)]
+        for off in ranges:
+            m.madvise(mmap.MADV_WILLNEED, off, third)
+        for off in ranges:
+            total += sum(m[p] for p in range(off, off + third, 4096))
+            done += third
+        for off in ranges:
+            m.madvise(mmap.MADV_DONTNEED, off, third)
+    return done / (time.perf_counter() - t)
 
 
 def in_limit(cmd: list[str], limit: int, path: Path) -> tuple[str, dict]:
@@ -197,8 +233,12 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=24)
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
+    ap.add_argument("--gate-rate", type=int, help=argparse.SUPPRESS)  # gate_rate's process: an expert's bytes
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.gate_rate:
+        print(gate_rate(args.file, args.gate_rate, memory_cgroup.parse_size(args.limit)))
+        return
     if args.record:
         generate_recording(args.record, args.rest[1:] if args.rest[:1] == ["--"] else args.rest)
         return
@@ -215,10 +255,16 @@ def main() -> None:
           f"2 threads, decode {args.n_gen} tokens", flush=True)
     others0, t0 = user_cpu_seconds(), time.monotonic()
     rates = disk_rates(path)
-    disk = measure_disk(path)
+    measured = measure_disk(path)
+    # the simulator's planned reads at the rate a gate's reads reach in this limit (the cgroup's
+    # reclaim included), with the latency and queue depth measured outside it
+    out, _ = in_limit([sys.executable, __file__, "--file", str(path), "--limit", args.limit, "--gate-rate",
+                       str(expert_bytes(path))], limit, path)
+    disk = dataclasses.replace(measured, read_bytes_per_s=float(out))
     print("disk: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in rates.items())
-          + f"; the simulator's: {disk.read_bytes_per_s / 1e6:.0f} MB/s, {disk.latency_s * 1e6:.0f} us, "
-          f"queue depth {disk.queue_depth}", flush=True)
+          + f"; a gate's reads in the limit {disk.read_bytes_per_s / 1e6:.0f} MB/s; sim/disk.py's measure: "
+          f"{measured.read_bytes_per_s / 1e6:.0f} MB/s, {disk.latency_s * 1e6:.0f} us, queue depth {disk.queue_depth}",
+          flush=True)
     spac_tier = ["--draft", "none"]  # -c 512 in every spac row: llama-bench's context is its own tokens
     rows = [llama_row("llama-mmap", path, limit, ["--repack", "0"], args.n_prompt, args.n_gen),
             llama_row("llama-mmap-repack", path, limit, [], args.n_prompt, args.n_gen),
