@@ -24,9 +24,18 @@ row against llama-mmap. `--json FILE` writes the rows: {"system", "decode_tok_s"
 "bytes_read", "stalls", ...}, llama.cpp's systems named llama-*.
 
 Predicted: each spac tier row records its passes' choices (the tier's trace) and runs once more
-with no limit and the file in the page cache (the same kernels, no disk: its decode time); the
-simulator replays the trace on the disk measured here (orchestrator/sim/tier_replay.py,
-orchestrator/sim/disk.py's measure_disk) and predicts the row's decode tok/s.
+with no limit and the file in the page cache (the same kernels, no disk: its decode time). `replay`
+puts the trace through the live tier's own ranking (runtime/host_tier.py's HostTier, over a
+`ModelledDisk`) and adds the simulator's disk time (orchestrator/sim/disk.py's Disk, measured here):
+
+    a pass's stall      each MoE layer's chosen experts not in memory, read at once while the layer
+                        waits: Disk.read_s(3 reads per expert, their bytes)
+    a read ahead        issued after a pass or a draft token, it runs while the next pass computes:
+                        only what it takes beyond that pass's compute time is waited for
+
+predicted decode time = the cached run's decode time + the stalls + the reads ahead's excess. The
+prompt's pass is replayed (it fills the tier) but not timed, as the live decode time leaves it out.
+(The replay lives here, not in orchestrator/sim/: the simulator does not import the runtime.)
 """
 
 from __future__ import annotations
@@ -52,7 +61,11 @@ import memory_cgroup  # noqa: E402
 from bench_cpu import cpu_description  # noqa: E402
 from bench_live import stock_program  # noqa: E402
 
-from orchestrator.sim.disk import measure_disk  # noqa: E402
+import numpy as np  # noqa: E402
+
+from orchestrator.runtime.host_tier import HostTier  # noqa: E402
+from orchestrator.runtime.native import DISK_READ  # noqa: E402
+from orchestrator.sim.disk import Disk, measure_disk  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
@@ -193,10 +206,74 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
     return row
 
 
-def predict(path: Path, args: list[str], tier: dict, trace_path: Path, disk, read_ahead: bool, live: dict) -> dict:
-    """The simulator's decode tok/s for a live tier row (orchestrator/sim/tier_replay.py)."""
-    from orchestrator.sim.tier_replay import replay
+READS_PER_EXPERT = 3  # an expert's gate, up and down matrices: three ranges of the file
 
+
+class ModelledDisk:
+    """What the live tier asks of the native disk, kept as sets: an expert is in memory once read
+    (by a gate or a read ahead) until dropped. `pending` holds the reads ahead not yet waited for."""
+
+    def __init__(self, n_layer: int, n_expert: int):
+        self.in_memory = np.zeros((n_layer, n_expert), bool)
+        self.pending = np.zeros((n_layer, n_expert), bool)
+        self.on_device = np.zeros((n_layer, n_expert), bool)
+
+    def advise(self, pairs, advice: int) -> int:
+        p = np.asarray(pairs).reshape(-1, 2)
+        if advice == DISK_READ:
+            self.pending[p[:, 0], p[:, 1]] |= ~self.in_memory[p[:, 0], p[:, 1]]
+            self.in_memory[p[:, 0], p[:, 1]] = True
+        else:
+            self.in_memory[p[:, 0], p[:, 1]] = False
+            self.pending[p[:, 0], p[:, 1]] = False
+        return len(p)
+
+    def set_on_device(self, on_device) -> None:
+        self.on_device = np.asarray(on_device, bool)
+
+    def stats(self) -> dict:
+        return dict.fromkeys(("n_gate_experts", "n_stalls", "bytes_stalled", "n_read_ahead", "bytes_read_ahead",
+                              "n_dropped"), 0)
+
+
+def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk: Disk, t_decode_memory: float,
+           read_ahead: bool = True) -> dict:
+    """trace: HostTier.trace of a live run, [(kind, ids [n_layer, n_tokens, k], on_device or None)];
+    t_decode_memory: that run's decode seconds with every weight in memory. Returns the predicted
+    decode seconds, and the stalls and bytes read the replay counted."""
+    n_layer = trace[0][1].shape[0]
+    modelled = ModelledDisk(n_layer, n_expert)
+    tier = HostTier(modelled, n_layer, n_expert, capacity, read_ahead=read_ahead)
+    t_pass = t_decode_memory / max(sum(1 for kind, *_ in trace[1:] if kind == "pass"), 1)
+    stall_s = ahead_s = 0.0
+    n_stalls = n_bytes = 0
+    for i, (kind, ids, on_device) in enumerate(trace):
+        if kind == "lookahead":
+            tier.lookahead(ids)
+            continue
+        if on_device is not None:
+            modelled.set_on_device(on_device)
+        pending = modelled.pending.sum()
+        if i > 0 and pending:  # the reads ahead ran while this pass computed
+            ahead_s += max(disk.read_s(READS_PER_EXPERT * int(pending), pending * expert_bytes) - t_pass, 0.0)
+        modelled.pending[:] = False
+        for m in range(n_layer):
+            chosen = np.unique(ids[m][ids[m] >= 0])
+            chosen = chosen[~modelled.on_device[m, chosen]]
+            missing = chosen[~modelled.in_memory[m, chosen]]
+            if missing.size:
+                n_stalls += missing.size
+                n_bytes += int(missing.size * expert_bytes)
+                if i > 0:
+                    stall_s += disk.read_s(READS_PER_EXPERT * missing.size, missing.size * expert_bytes)
+                modelled.in_memory[m, missing] = True
+        tier.after_pass(ids, on_device)
+    return {"decode_s": t_decode_memory + stall_s + ahead_s, "stall_s": stall_s, "read_ahead_wait_s": ahead_s,
+            "stalls": n_stalls, "bytes_read": n_bytes}
+
+
+def predict(path: Path, args: list[str], tier: dict, trace_path: Path, disk, read_ahead: bool, live: dict) -> dict:
+    """The predicted decode tok/s of a live tier row (`replay`)."""
     under = str(path.stat().st_size - 1)  # every expert fits the tier: the same kernels, nothing to read
     memory_args = [*args[:-1], "--host-budget", under, args[-1]]
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "spac"), "generate", *memory_args], capture_output=True,

@@ -4,10 +4,10 @@ The functions live in the same libllama that llama-cpp-python loads, so they are
 its handle. `ExpertEngine` owns one `spac_engine` (one device), `SeveralPools` one per device;
 routing is read through numpy views of the context's host buffer (no copies).
 
-Why ~510 lines: one ctypes binding per C function of spac.h (with its struct layouts, held
+Why ~610 lines: one ctypes binding per C function of spac.h (with its struct layouts, held
 against the header by tests/test_spac_header.py) and the wrappers that own native memory
-(ExpertEngine, SeveralPools, Routing); the pool's devices and budgets are pool.py, the RPC
-backend's server and client side rpc.py.
+(ExpertEngine, SeveralPools, Routing, ExpertsOnDisk); the pool's devices and budgets are pool.py,
+the RPC backend's server and client side rpc.py, the host tier's rule host_tier.py.
 """
 
 from __future__ import annotations
