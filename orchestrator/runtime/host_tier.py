@@ -174,6 +174,13 @@ def plan_tiers(budget: HostBudget, non_expert: int, experts: int, one_expert: in
     return tiers
 
 
+def _chosen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(MoE layer, expert) of every choice in ids [n_moe_layers, n_tokens, k], -1s left out."""
+    layer = np.broadcast_to(np.arange(ids.shape[0])[:, None, None], ids.shape)
+    valid = ids >= 0
+    return layer[valid], ids[valid]
+
+
 class HostTier:
     """The experts kept in memory, for one model whose experts are on the disk.
 
@@ -182,7 +189,7 @@ class HostTier:
     exclusive of a device pool: an expert the device holds is not kept in host memory too (a
     copy to the device read it; were the pool to give it back, it is read from the disk again).
     `trace`, when a list, gets every pass's and lookahead's choices (bench/bench_disk.py replays
-    them in the simulator)."""
+    them on a modelled disk)."""
 
     def __init__(self, disk, n_moe_layers: int, n_expert: int, capacity: int, read_ahead: bool = True):
         self.disk = disk
@@ -205,11 +212,10 @@ class HostTier:
             self.on_device = on_device
             self.disk.set_on_device(on_device)
         self.n_passes += 1
+        layer, expert = _chosen(ids)
+        np.add.at(self.score, (layer, expert), 1.0)  # once per token that chose it
         used = np.zeros_like(self.resident)
-        m = np.broadcast_to(np.arange(ids.shape[0])[:, None, None], ids.shape)
-        valid = ids >= 0
-        np.add.at(self.score, (m[valid], ids[valid]), 1.0)
-        used[m[valid], ids[valid]] = True
+        used[layer, expert] = True
         self.score *= DECAY
         self.resident |= used & ~self.on_device  # the device computed its own: their gates read nothing
         self._settle(keep=used)
@@ -219,10 +225,8 @@ class HostTier:
         ranked first, and read now."""
         if self.trace is not None:
             self.trace.append(("lookahead", ids.copy(), None))
-        m = np.broadcast_to(np.arange(ids.shape[0])[:, None, None], ids.shape)
-        valid = ids >= 0
         wanted = np.zeros_like(self.resident)
-        wanted[m[valid], ids[valid]] = True
+        wanted[_chosen(ids)] = True
         self.score[wanted] += 1.0
         self._settle(keep=wanted)
 
