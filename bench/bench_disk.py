@@ -276,6 +276,9 @@ def predict(path: Path, args: list[str], tier: dict, trace_path: Path, disk, rea
     """The predicted decode tok/s of a live tier row (`replay`)."""
     under = str(path.stat().st_size - 1)  # every expert fits the tier: the same kernels, nothing to read
     memory_args = [*args[:-1], "--host-budget", under, args[-1]]
+    with open(path, "rb") as f:  # the file into the page cache (the limited run left most of it out)
+        while f.read(64 << 20):
+            pass
     out = subprocess.run([str(ROOT / ".venv" / "bin" / "spac"), "generate", *memory_args], capture_output=True,
                          text=True, check=True).stdout
     memory = json.loads(out)
