@@ -39,7 +39,7 @@ def test_host_budget_parses_bytes_and_shares(text, nbytes, ratio):
     assert (b.nbytes, b.ratio) == (nbytes, ratio)
 
 
-@pytest.mark.parametrize("text", ["banana", "0", "0%", "150%", "-3G", "%"])
+@pytest.mark.parametrize("text", ["banana", "0", "0%", "150%", "-3G", "%", "0.5", "nan%"])
 def test_a_bad_host_budget_says_what_to_give(text):
     with pytest.raises(ValueError, match="bytes .* or a percentage"):
         HostBudget.parse(text)

@@ -128,8 +128,7 @@ def session_setup(opts: RunOptions) -> Setup:
     pool = p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
     tiers = _host_tiers(opts, sizes, pool if not off else (), p.n_gpu_layers, draft.kind is DraftKind.POOL and not off)
     if tiers.on_disk:
-        notes.append(f"experts on the disk: {tiers.tier // max(tiers.one_expert, 1)} of "
-                     f"{tiers.experts // max(tiers.one_expert, 1)} kept in memory (--host-budget)")
+        notes.append(f"experts on the disk: {tiers.n_kept} of {tiers.n_experts} kept in memory (--host-budget)")
     stream = opts.config.stream_prefill if p.stream_prefill else StreamPrefill.OFF
     cfg = replace(opts.config, model=model, draft=draft, n_batch=opts.ubatch_size or p.ubatch, n_threads=opts.threads,
                   n_gpu_layers=p.n_gpu_layers, expert_engine=False if off else dev.expert_engine, pool=pool,
@@ -142,8 +141,9 @@ def _host_tiers(opts: RunOptions, sizes, pool: tuple[PoolDevice, ...], n_gpu_lay
     """--host-budget against the model's sizes: where its experts are read from. A file larger than
     the budget keeps its experts on the disk; what cannot work then is one line and exit 2."""
     cfg = opts.config
-    on_host = sum(d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes) for d in pool if d.on_host)
-    on_device = sum(d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes) for d in pool if not d.on_host)
+    pool_bytes = [(d.on_host, d.budget.nbytes or int(d.budget.ratio * sizes.expert_bytes)) for d in pool]
+    on_host = sum(n for host, n in pool_bytes if host)
+    on_device = sum(n for host, n in pool_bytes if not host)
     # the KV caches of the layers left on the host: the target's, and a pool draft's of the same shape
     host_layers = 1.0 if n_gpu_layers == 0 else max(sizes.n_layer - max(n_gpu_layers, 0), 0) / max(sizes.n_layer, 1)
     n_ctx = cfg.n_ctx or sizes.n_ctx_train or 4096

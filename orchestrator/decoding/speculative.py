@@ -348,7 +348,7 @@ class Session:
         n_used = int(self.target.meta(f"{self.target.arch}.expert_used_count") or 0)
         self.tier_routing = self.routing or Routing(self.ctx.ptr, n_used)
         self.host_tier = HostTier(ExpertsOnDisk(self.target.ptr), self.tier_routing.n_moe_layers, self.target.n_expert,
-                                  capacity=tiers.tier // max(tiers.one_expert, 1), read_ahead=self.cfg.disk_read_ahead)
+                                  capacity=tiers.n_kept, read_ahead=self.cfg.disk_read_ahead)
 
     def _after_target_pass(self) -> None:
         if self.host_tier is not None:

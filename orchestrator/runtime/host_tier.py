@@ -15,7 +15,6 @@ part, one per session.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import psutil
 
 from orchestrator.runtime.native import DISK_DROP, DISK_READ
-from orchestrator.runtime.pool import _UNITS
+from orchestrator.runtime.pool import parse_size
 
 # what the budget leaves for everything but the weights (the KV cache, compute buffers, the
 # interpreter's own growth): an eighth of the memory available, at least this
@@ -89,20 +88,11 @@ class HostBudget:
     def parse(cls, text: str | None) -> HostBudget:
         if text is None or text.strip().lower() == "auto":
             return cls()
-        s = text.strip().upper().replace(" ", "")
         hint = "give bytes (24G, 48GiB) or a percentage of the memory available now (80%)"
-        if s.endswith("%"):
-            try:
-                pct = float(s[:-1])
-            except ValueError:
-                raise ValueError(f"{text!r}: {hint}") from None
-            if not 0 < pct <= 100:
-                raise ValueError(f"{text!r}: a percentage must be in (0, 100]; {hint}")
-            return cls(ratio=pct / 100.0)
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)([KMGT]?I?)B?", s)
-        if not m or float(m.group(1)) <= 0:
+        nbytes, ratio = parse_size(text, hint)
+        if not ratio and nbytes <= 0:
             raise ValueError(f"{text!r}: {hint}")
-        return cls(nbytes=int(float(m.group(1)) * _UNITS[m.group(2)]))
+        return cls(nbytes, ratio)
 
     def resolve(self, available: int) -> int:
         if self.nbytes:
@@ -144,6 +134,15 @@ class HostTiers:
     def on_disk(self) -> bool:
         return self.tier < self.experts
 
+    @property
+    def n_kept(self) -> int:
+        """Experts the tier holds."""
+        return self.tier // max(self.one_expert, 1)
+
+    @property
+    def n_experts(self) -> int:
+        return self.experts // max(self.one_expert, 1)
+
     def lines(self) -> list[str]:
         gib = 2**30
         if not self.on_disk:
@@ -153,8 +152,7 @@ class HostTiers:
         where = " in host memory: the CPU test device" if self.pool_host else ""
         device = [f"device: {pool / gib:.2f} GiB of experts (the pool{where})"] if pool else []
         return device + [
-                f"host:   {self.tier / gib:.2f} GiB of experts ({self.tier // max(self.one_expert, 1)} of "
-                f"{self.experts // max(self.one_expert, 1)}) + {self.non_expert / gib:.2f} GiB of other weights + "
+                f"host:   {self.tier / gib:.2f} GiB of experts ({self.n_kept} of {self.n_experts}) + {self.non_expert / gib:.2f} GiB of other weights + "
                 f"{self.context / gib:.2f} GiB of KV cache (host budget {self.budget / gib:.2f} GiB, --host-budget)",
                 f"disk:   {(self.experts - self.tier) / gib:.2f} GiB of experts, read when used or ahead"]
 

@@ -21,6 +21,28 @@ _UNITS = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
 
 
+def parse_size(text: str, hint: str) -> tuple[int, float]:
+    """A size flag's value: "25%" → (0, 0.25); "512M", "2GiB", "123456" → (bytes, 0.0). ValueError
+    (the text, then `hint`) for anything else: a percentage outside (0, 100], a fraction of a byte.
+    Bytes of 0 or fewer are the caller's to refuse."""
+    s = text.strip().upper().replace(" ", "")
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ValueError(f"{text!r}: {hint}") from None
+        if not 0 < pct <= 100 or pct != pct:
+            raise ValueError(f"{text!r}: a percentage must be in (0, 100]; {hint}")
+        return 0, pct / 100.0
+    m = re.fullmatch(r"(-?[0-9]*\.?[0-9]+)([KMGT]?I?)B?", s)
+    if not m:
+        raise ValueError(f"{text!r}: {hint}")
+    value, unit = float(m.group(1)), m.group(2)
+    if not unit and value != int(value):
+        raise ValueError(f"{text!r} is ambiguous (a fraction of bytes?): {hint}")
+    return int(value * _UNITS[unit]), 0.0
+
+
 @dataclass(frozen=True)
 class Budget:
     """--expert-budget, parsed once: `nbytes` > 0, or `ratio` in (0, 1] of all expert bytes.
@@ -40,23 +62,13 @@ class Budget:
         the flag; --no-engine is how the pool is turned off."""
         if text is None:
             return cls()
-        s = text.strip().upper().replace(" ", "")
         hint = "give bytes (512M, 2GiB) or a percentage of all experts (25%); --no-engine turns the pool off"
-        if s.endswith("%"):
-            try:
-                pct = float(s[:-1])
-            except ValueError:
-                raise ValueError(f"--expert-budget {text!r}: {hint}") from None
-            if not 0 < pct <= 100 or pct != pct:
-                raise ValueError(f"--expert-budget {text!r}: a percentage must be in (0, 100]; {hint}")
-            return cls(ratio=pct / 100.0)
-        m = re.fullmatch(r"(-?[0-9]*\.?[0-9]+)([KMGT]?I?)B?", s)
-        if not m:
-            raise ValueError(f"--expert-budget {text!r}: {hint}")
-        value, unit = float(m.group(1)), m.group(2)
-        if not unit and value != int(value):
-            raise ValueError(f"--expert-budget {text!r} is ambiguous (a fraction of bytes?): {hint}")
-        nbytes = int(value * _UNITS[unit])
+        try:
+            nbytes, ratio = parse_size(text, hint)
+        except ValueError as e:
+            raise ValueError(f"--expert-budget {e}") from None
+        if ratio:
+            return cls(ratio=ratio)
         if nbytes <= 0:
             raise ValueError(f"--expert-budget {text!r} leaves the pool empty: {hint}")
         return cls(nbytes=nbytes)
