@@ -422,8 +422,16 @@ def build_stock(lock: dict, python: str, sdist: Path | None, variant: str | None
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
              *(CPU_VARIANTS[variant] if variant else no_amx_args())]
-    name = f"stock-{variant}" if variant else "stock"
-    return _build_programs(lock, LOCK, python, sdist, name, LLAMA_CPP_DIR, targets, cmake)
+    if variant is None:
+        return _build_programs(lock, LOCK, python, sdist, "stock", LLAMA_CPP_DIR, targets, cmake)
+    # a variant changes only ggml's CPU backend (as install_cpu_variant says): that is built, and the
+    # programs are linked again with it from the native build's objects
+    base = build_stock(lock, python, sdist, None, targets).parent.parent
+    if not (base / "src" / "libllama.a").exists():  # built before the sources moved out of src/
+        shutil.rmtree(base)
+        base = build_stock(lock, python, sdist, None, targets).parent.parent
+    return _build_programs(lock, LOCK, python, sdist, f"stock-{variant}", LLAMA_CPP_DIR, targets, cmake,
+                           relink_from=base)
 
 
 def build_ik(python: str) -> Path:
@@ -449,9 +457,11 @@ def build_ik(python: str) -> Path:
 
 
 def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None, name: str, source_dir: str,
-                    targets: tuple[str, ...], cmake: list[str], prepare=None) -> Path:
+                    targets: tuple[str, ...], cmake: list[str], prepare=None, relink_from: Path | None = None) -> Path:
     """CMake `targets` of the tree at `source_dir` inside the locked sdist into
-    vendor/build/<name>-<key> (key: the sdist's hash and the CMake arguments); the first target's path."""
+    vendor/build/<name>-<key> (key: the sdist's hash and the CMake arguments); the first target's path.
+    relink_from: a build of the same tree whose `targets` differ from these only in ggml's CPU
+    backend: only that library is built here, and each target is linked as it was there, with it."""
     key = hashlib.sha256(json.dumps([lock["sha256"], cmake]).encode()).hexdigest()[:10]
     out = VENDOR / "build" / f"{name}-{key}"
     exe = out / "bin" / targets[0]
@@ -459,7 +469,7 @@ def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None
         return exe
     targets = tuple(t for t in targets if not (out / "bin" / t).exists())  # a later call's other program
     sdist = fetch_sdist(lock, python, sdist, lock_file)
-    src = out / "src"
+    src = out / "sdist"  # not src/: CMake builds llama.cpp's src/ (libllama) there
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
     log(f"building {lock['name']}'s {', '.join(targets)} in {out.relative_to(ROOT)}")
@@ -468,16 +478,35 @@ def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None
     (top,) = list(src.iterdir())
     if prepare is not None:
         prepare(top / source_dir)
+    build = ("ggml-cpu",) if relink_from else targets
     for cmd in (["cmake", "-S", str(top / source_dir), "-B", str(out), *cmake],
-                ["cmake", "--build", str(out), "--target", *targets, "-j", str(os.cpu_count() or 1)]):
+                ["cmake", "--build", str(out), "--target", *build, "-j", str(os.cpu_count() or 1)]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    for target in targets if relink_from else ():
+        relink(relink_from, out, target)
     shutil.rmtree(src, ignore_errors=True)
     missing = [t for t in targets if not (out / "bin" / t).exists()]
     if missing:
         raise BuildError(f"the {name} build produced no {', '.join(missing)} in {out / 'bin'}")
     return exe
+
+
+def relink(base: Path, out: Path, target: str) -> None:
+    """Link the static program `target` into out/bin with CMake's link line in the build `base`,
+    every library but ggml's CPU backend from there, out's CPU backend instead of base's."""
+    (link,) = base.glob(f"**/CMakeFiles/{target}.dir/link.txt")
+    cmd = shlex.split(link.read_text())
+    cmd[cmd.index("-o") + 1] = str(out / "bin" / target)
+    cpu = [i for i, arg in enumerate(cmd) if arg.endswith("/libggml-cpu.a")]
+    if len(cpu) != 1:
+        raise BuildError(f"{link} does not link libggml-cpu.a once: {target} cannot be linked for a CPU variant")
+    cmd[cpu[0]] = str(out / "ggml" / "src" / "libggml-cpu.a")
+    (out / "bin").mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(cmd, cwd=link.parent.parent.parent, capture_output=True, text=True)  # the target's dir
+    if res.returncode != 0:
+        raise BuildError(f"linking {target} for a CPU variant failed:\n{res.stderr[-3000:]}")
 
 
 def ik_program(name: str = "llama-bench") -> Path:
@@ -599,6 +628,37 @@ def pip_install(python: str, cmake: list[str]) -> None:
         raise BuildError("pip install of the patched tree failed:\n" + "\n".join(tail))
 
 
+def install_cpu_variant(args: argparse.Namespace, cmake: list[str], lock: dict, patches: list[Path]) -> None:
+    """--cpu-variant: GGML_NATIVE and the ISA options reach only ggml's CPU backend (every other
+    target compiles with the same flags either way), so a variant is the base build's installed
+    package with its libggml-cpu.so compiled for the variant's ISA. Only that target is built
+    (about a minute on 2 cores, against ten for the whole tree); libllama and the rest are the
+    base build's, byte for byte. The base: the same build options without the variant, installed
+    in --base-python and current (scripts/install.sh)."""
+    base_args = argparse.Namespace(**{**vars(args), "cpu_variant": None})
+    base_key = stamp_key(lock, patches, cmake_args(base_args), args.base_python)
+    if not up_to_date(base_key, args.base_python, stamp_path(base_args)):
+        raise BuildError(f"the build without --cpu-variant is not current in {args.base_python} "
+                         "(--base-python): build it first (scripts/install.sh)")
+    base_pkg = installed_lib(args.base_python).parent.parent
+    out = build_dir_of(cmake).with_name(build_dir_of(cmake).name + "-cpu")  # not a wheel's build dir
+    log(f"building ggml's CPU backend for --cpu-variant {args.cpu_variant} in {out.relative_to(ROOT)}")
+    for cmd in (["cmake", "-S", str(TREE), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", *cmake],
+                ["cmake", "--build", str(out), "--target", "ggml-cpu", "-j", str(os.cpu_count() or 1)]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    (cpu_lib,) = out.glob("bin/libggml-cpu.so")
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    dst = Path(subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+    for item in [base_pkg, *base_pkg.parent.glob("llama_cpp_python-*.dist-info")]:
+        shutil.rmtree(dst / item.name, ignore_errors=True)
+        shutil.copytree(item, dst / item.name, symlinks=True)
+    for lib in (dst / "llama_cpp" / "lib").glob("libggml-cpu.so*"):
+        lib.unlink()
+        shutil.copy2(cpu_lib.resolve(), lib)
+
+
 def arg_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--python", default=sys.executable, help="interpreter to install into (default: this one)")
@@ -614,6 +674,9 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="build the host kernels for this ISA level instead of -march=native (avx2: an "
                          "AVX2-only desktop's; own build dir and stamp; install it into its own venv with "
                          "--python, see scripts/test_avx2.sh)")
+    ap.add_argument("--base-python", default=str(ROOT / ".venv" / "bin" / "python"),
+                    help="with --cpu-variant: the interpreter where the build without it is installed, "
+                         "whose package the variant copies (default: .venv's)")
     ap.add_argument("--configure-only", action="store_true",
                     help="patch the tree and run CMake's configure step into the build dir, then stop "
                          "(checks a --cuda setup on a machine where the full compile would take hours)")
@@ -676,7 +739,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.configure_only:
             configure(cmake)
             return 0
-        pip_install(args.python, cmake)
+        if args.cpu_variant and not args.sanitize:
+            install_cpu_variant(args, cmake, lock, patches)
+        else:
+            pip_install(args.python, cmake)
         lib = installed_lib(args.python)
         if lib is None:
             raise BuildError("llama_cpp is not importable after install")

@@ -4,12 +4,13 @@
 # The default build is -march=native: on an AVX-512 machine (CI's) its host kernels (CPU_EXACT,
 # llama.cpp's repacked and plain ones) are the AVX-512 paths, while users' desktops are often
 # AVX2-only. This builds `build_native.py --cpu-variant avx2` (GGML_NATIVE off, AVX2/FMA/F16C/BMI2
-# on, AVX-512 and AMX off; its own build dir and stamp) and runs, on it, every test that holds
+# on, AVX-512 and AMX off: .venv's package with ggml's CPU backend built for them, its own stamp)
+# and runs, on it, every test that holds
 # speculative output to target-only's and the batch-invariance tests (scripts/stress_lossless.sh's
 # list). Checks first that the venv loads the variant's libraries, that CPU_EXACT's kernel is the
 # AVX2 one and gives the default build's bits (tests/exact_digest.py, every type, layout, op and
-# batch), that llama.cpp's common library the real-files tests compile against is the variant's
-# and that no AVX-512 instruction is in libggml-cpu; builds stock llama-simple for AVX2 too (the
+# batch), that llama.cpp's common library the real-files tests compile against is the one of the
+# build that made the venv's libllama, and that no AVX-512 instruction is in libggml-cpu; builds stock llama-simple for AVX2 too (the
 # real-files tests' byte-for-byte peer: build_native.stock_program follows the installed build).
 # Needs scripts/install.sh --test first: the venv reuses .venv's packages and only has its own
 # llama_cpp. A CI step (.ci/run).
@@ -70,14 +71,15 @@ print(f"[avx2] CPU_EXACT kernel: {name}")
 if name != "avx2":
     fail(f"CPU_EXACT's kernel is {name!r}, not the AVX2 one")
 
-# the real-files tests compile a helper against llama.cpp's common library of the build that made
-# the installed libllama (same ELF build id); conftest falls back to the newest build's otherwise
-build = bn.build_dir_of(bn.cmake_args(bn.arg_parser().parse_args(["--cpu-variant", "avx2"]))) / "bin"
+# the variant is the default build's package with its own libggml-cpu (build_native.py's
+# install_cpu_variant): the real-files tests compile a helper against llama.cpp's common library of
+# the build that made the installed libllama (the same ELF build id), and link the venv's
+# libggml-cpu first
 common = llama_common_dir()
 print(f"[avx2] common library: {common}")
-if common is None or common.resolve() != build.resolve() or _build_id(common / "libllama.so") != _build_id(
-        lib_dir / "libllama.so") or not _build_id(lib_dir / "libllama.so"):
-    fail(f"llama.cpp's common library found is {common}, not the variant build's {build} (or no build id)")
+if common is None or not _build_id(lib_dir / "libllama.so") or _build_id(common / "libllama.so") != _build_id(
+        lib_dir / "libllama.so"):
+    fail(f"llama.cpp's common library found is {common}, not that of the build of {lib_dir} (or no build id)")
 
 # -march=native compiled nothing in: no AVX-512 register in the CPU library's code
 try:

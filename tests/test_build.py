@@ -135,6 +135,46 @@ def test_stock_programs_follow_the_cpu_variant_of_the_installed_build(tmp_path, 
     assert calls[0][2:] == ["--stock", "--cpu-variant", "avx2", "--stock-program", "llama-simple"]
 
 
+def test_a_cpu_variant_needs_the_build_without_it_current(tmp_path, monkeypatch):
+    """--cpu-variant copies the base build's package (install_cpu_variant): where that build is not
+    current in --base-python, it stops before building anything and names the flag."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_native as bn
+
+    args = bn.arg_parser().parse_args(["--cpu-variant", "avx2", "--base-python", str(tmp_path / "python")])
+    monkeypatch.setattr(bn, "up_to_date", lambda *a, **k: False)
+    monkeypatch.setattr(bn.subprocess, "run", lambda *a, **k: pytest.fail("built something"))
+    with pytest.raises(bn.BuildError, match="--base-python"):
+        bn.install_cpu_variant(args, bn.cmake_args(args), bn.read_lock(), bn.read_series())
+
+
+def test_a_program_for_a_cpu_variant_is_linked_with_its_cpu_backend_only(tmp_path):
+    """relink: the stock program's link line in the native build, run there, with the variant's
+    libggml-cpu.a in place of the native one and the output in the variant's bin/."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_native as bn
+
+    base, out = tmp_path / "base", tmp_path / "out"
+    target_dir = base / "examples" / "simple" / "CMakeFiles" / "llama-simple.dir"
+    target_dir.mkdir(parents=True)
+    log = tmp_path / "linker-args"
+    linker = tmp_path / "c++"
+    linker.write_text(f'#!/bin/sh\necho "$PWD" > {log}\necho "$@" >> {log}\n')
+    linker.chmod(0o755)
+    (target_dir / "link.txt").write_text(f'{linker} -O3 "CMakeFiles/llama-simple.dir/simple.cpp.o" -o ../../bin/'
+                                         "llama-simple ../../src/libllama.a ../../ggml/src/libggml.a -ldl "
+                                         "../../ggml/src/libggml-cpu.a ../../ggml/src/libggml-base.a -lm\n")
+    bn.relink(base, out, "llama-simple")
+    cwd, argv = log.read_text().splitlines()
+    assert Path(cwd) == base / "examples" / "simple"
+    assert argv.split() == ["-O3", "CMakeFiles/llama-simple.dir/simple.cpp.o", "-o", str(out / "bin" / "llama-simple"),
+                            "../../src/libllama.a", "../../ggml/src/libggml.a", "-ldl",
+                            str(out / "ggml" / "src" / "libggml-cpu.a"), "../../ggml/src/libggml-base.a", "-lm"]
+    (target_dir / "link.txt").write_text(f"{linker} x.o -o ../../bin/llama-simple ../../src/libllama.a\n")
+    with pytest.raises(bn.BuildError, match="libggml-cpu.a"):
+        bn.relink(base, out, "llama-simple")
+
+
 def _tree_with_native(tmp_path, bn):
     """A stand-in for the extracted sdist (a git repo tagged pristine holding one upstream file)
     and a native/ of two files, placed as a build places them."""
