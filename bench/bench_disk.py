@@ -23,8 +23,10 @@ faults (a fault that waited for the disk). Prints the CPU, whether the machine w
 row against llama-mmap. `--json FILE` writes the rows: {"system", "decode_tok_s", "prompt_tok_s",
 "bytes_read", "stalls", ...}, llama.cpp's systems named llama-*.
 
-Predicted: each spac tier row records its passes' choices (the tier's trace) and runs once more
-with no limit and the file in the page cache (the same kernels, no disk: its decode time). `replay`
+Each spac row runs --repeats times (default 3) and reports the median run. Predicted: each run of
+a spac tier row records its passes' choices (the tier's trace), and the row runs as many times
+again with no limit and the file in the page cache (the same kernels, no disk: its decode time,
+the median taken). Each run's prediction uses that median; the row's is the median prediction. `replay`
 puts the trace through the live tier's own ranking (runtime/host_tier.py's HostTier, over a
 `ModelledDisk`) and adds the simulator's disk time (orchestrator/sim/disk.py's Disk, measured here):
 
@@ -185,24 +187,31 @@ def generate_recording(trace_path: Path, args: list[str]) -> None:
         trace_path.write_bytes(pickle.dumps(trace))
 
 
-def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, disk=None) -> dict:
-    """A spac row in the limit; with `disk` (a sim Disk), its decode time predicted too: the same
-    command run again without the limit, the file in the page cache and a tier just under it."""
-    trace_path = ROOT / "runs" / "bench_disk" / f"{name}.trace"
+def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, disk=None, repeats: int = 1) -> dict:
+    """A spac row in the limit, run `repeats` times: the median run's numbers, every run's decode
+    tok/s beside them. With `disk` (a sim Disk), its decode time predicted too (`predict`)."""
     args = ["-m", str(path), "-t", "2", "--temp", "0", "-n", str(n_gen), "-c", "512", "--json", *flags, PROMPT]
-    out, rep = in_limit([sys.executable, __file__, "--record", str(trace_path), "--", *args], limit, path)
-    if rep["oom_kills"]:
-        return {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": rep["bytes_read"],
-                "stalls": 0, "oom": True}
-    d = json.loads(out)
+    runs = []
+    for i in range(repeats):
+        trace_path = ROOT / "runs" / "bench_disk" / f"{name}-{i}.trace"
+        out, rep = in_limit([sys.executable, __file__, "--record", str(trace_path), "--", *args], limit, path)
+        if rep["oom_kills"]:
+            return {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": rep["bytes_read"],
+                    "stalls": 0, "oom": True}
+        d = json.loads(out)
+        runs.append({"out": d, "rep": rep, "trace": trace_path, "decode_tok_s": (d["n_tokens"] - 1) / d["decode_s"]})
+    runs.sort(key=lambda r: r["decode_tok_s"])
+    d, rep = runs[len(runs) // 2]["out"], runs[len(runs) // 2]["rep"]
     tier = d.get("host_tier") or {}
-    row = {"system": name, "decode_tok_s": (d["n_tokens"] - 1) / d["decode_s"],
+    row = {"system": name, "decode_tok_s": runs[len(runs) // 2]["decode_tok_s"],
+           "decode_tok_s_runs": [r["decode_tok_s"] for r in runs],
            "prompt_tok_s": d["n_prompt_tokens"] / d["prefill_s"], "bytes_read": rep["bytes_read"],
            "stalls": tier.get("stalls", rep["majflt"]), "majflt": rep["majflt"], "oom": False,
            "hits": tier.get("hits"), "tokens": d["tokens"], "acceptance_rate": d.get("acceptance_rate"),
-           "peak": rep["peak"]}
+           "peak": max(r["rep"]["peak"] for r in runs),
+           "same_tokens_every_run": all(r["out"]["tokens"] == d["tokens"] for r in runs)}
     if disk is not None and tier.get("experts_on_disk"):
-        row |= predict(path, args, tier, trace_path, disk, "--no-disk-read-ahead" not in flags, d)
+        row |= predict(path, args, runs, disk, "--no-disk-read-ahead" not in flags)
     return row
 
 
@@ -272,22 +281,33 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
             "stalls": n_stalls, "bytes_read": n_bytes}
 
 
-def predict(path: Path, args: list[str], tier: dict, trace_path: Path, disk, read_ahead: bool, live: dict) -> dict:
-    """The predicted decode tok/s of a live tier row (`replay`)."""
+def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: bool) -> dict:
+    """The predicted decode tok/s of a live tier row: each run's trace `replay`ed on its decode time
+    in memory, the median of as many runs of the same command without the limit, the file in the
+    page cache and a tier just over the experts (the same kernels, no disk); the median prediction."""
     under = str(path.stat().st_size - 1)  # every expert fits the tier: the same kernels, nothing to read
     memory_args = [*args[:-1], "--host-budget", under, args[-1]]
     with open(path, "rb") as f:  # the file into the page cache (the limited run left most of it out)
         while f.read(64 << 20):
             pass
-    out = subprocess.run([str(ROOT / ".venv" / "bin" / "spac"), "generate", *memory_args], capture_output=True,
-                         text=True, check=True).stdout
-    memory = json.loads(out)
-    trace = pickle.loads(trace_path.read_bytes())
-    got = replay(trace, tier["capacity"], int(tier["expert_bytes"] // tier["one_expert_bytes"] // len(trace[0][1])),
-                 tier["one_expert_bytes"], disk, memory["decode_s"], read_ahead)
-    predicted = (live["n_tokens"] - 1) / got["decode_s"]
-    return {"predicted_decode_tok_s": predicted, "memory_decode_tok_s": (memory["n_tokens"] - 1) / memory["decode_s"],
-            "predicted_stalls": got["stalls"], "same_tokens_in_memory": memory["tokens"] == live["tokens"]}
+    memory = [json.loads(subprocess.run([str(ROOT / ".venv" / "bin" / "spac"), "generate", *memory_args],
+                                        capture_output=True, text=True, check=True).stdout) for _ in runs]
+    decode_s = float(np.median([m["decode_s"] for m in memory]))
+    predicted, stalls = [], []
+    for run in runs:
+        tier, live = run["out"]["host_tier"], run["out"]
+        trace = pickle.loads(run["trace"].read_bytes())
+        n_expert = int(tier["expert_bytes"] // tier["one_expert_bytes"] // len(trace[0][1]))
+        got = replay(trace, tier["capacity"], n_expert, tier["one_expert_bytes"], disk, decode_s, read_ahead)
+        predicted.append((live["n_tokens"] - 1) / got["decode_s"])
+        stalls.append(got["stalls"])
+    mid = int(np.argsort(predicted)[len(predicted) // 2])
+    n_tokens = runs[0]["out"]["n_tokens"]
+    return {"predicted_decode_tok_s": predicted[mid], "predicted_decode_tok_s_runs": sorted(predicted),
+            "memory_decode_tok_s": (n_tokens - 1) / decode_s,
+            "memory_decode_tok_s_runs": sorted((m["n_tokens"] - 1) / m["decode_s"] for m in memory),
+            "predicted_stalls": stalls[mid],
+            "same_tokens_in_memory": all(m["tokens"] == runs[0]["out"]["tokens"] for m in memory)}
 
 
 def user_cpu_seconds() -> dict[int, float]:
@@ -311,6 +331,8 @@ def main() -> None:
     ap.add_argument("--limit", default="768M", help="the memory cgroup's limit (the file must be >= 3x)")
     ap.add_argument("--n-prompt", type=int, default=64, help="llama-bench's prompt tokens (spac's prompt is ~64)")
     ap.add_argument("--n-gen", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each spac row and of its run in memory (medians reported; llama.cpp's rows run once)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
     ap.add_argument("--gate-rate", type=int, help=argparse.SUPPRESS)  # gate_rate's process: an expert's bytes
@@ -349,10 +371,11 @@ def main() -> None:
     rows = [llama_row("llama-mmap", path, limit, ["--repack", "0"], args.n_prompt, args.n_gen),
             llama_row("llama-mmap-repack", path, limit, [], args.n_prompt, args.n_gen),
             spac_row("spac-mmap", path, limit, [*spac_tier, "--host-budget", f"{2 * size}"], args.n_gen),
-            spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen, disk),
-            spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk),
+            spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen, disk,
+                     args.repeats),
+            spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk, args.repeats),
             spac_row("spac-tier-sd", path, limit, ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"],
-                     args.n_gen, disk)]
+                     args.n_gen, disk, args.repeats)]
     others = user_cpu_seconds()
     mine = {os.getpid()}
     others_s = sum(v - others0.get(pid, 0.0) for pid, v in others.items() if pid not in mine)
@@ -366,9 +389,16 @@ def main() -> None:
         pred = f" {guess:10.2f} {guess / r['decode_tok_s'] - 1:+6.0%}" if guess else ""
         print(f"{r['system']:26s} {r['decode_tok_s']:12.2f} {r['decode_tok_s'] / base:8.2f} {r['prompt_tok_s']:12.1f} "
               f"{r['bytes_read'] / 2**20:9.0f} {r['stalls']:7d}{pred}{note}")
+    for r in rows:
+        if len(r.get("decode_tok_s_runs", ())) > 1:
+            spread = lambda key: "–".join(f"{v:.2f}" for v in (min(r[key]), max(r[key])))  # noqa: E731
+            print(f"  {r['system']}: {len(r['decode_tok_s_runs'])} runs, decode {spread('decode_tok_s_runs')} tok/s"
+                  + (f"; predicted {spread('predicted_decode_tok_s_runs')}; in memory "
+                     f"{spread('memory_decode_tok_s_runs')}" if "predicted_decode_tok_s_runs" in r else ""))
     texts = {r["system"]: r["tokens"] for r in rows if r.get("tokens")}
-    same = len({tuple(t) for t in texts.values()}) == 1
-    print(f"spac rows give the same tokens: {same}")
+    same = (len({tuple(t) for t in texts.values()}) == 1 and all(r.get("same_tokens_every_run", True)
+                                                                  and r.get("same_tokens_in_memory", True) for r in rows))
+    print(f"spac rows give the same tokens (every run, and the runs in memory): {same}")
     print(f"other user processes: {others_s:.1f} CPU-s in {wall:.0f} s: "
           f"{'idle otherwise' if others_s < 0.02 * wall else 'NOT idle: another process ran'}")
     if args.json:

@@ -107,7 +107,9 @@ def test_an_exclusive_tier_is_never_slower_where_the_pool_is_a_large_share_of_it
 def test_the_ranking_is_the_live_tiers():
     """The same passes, lookaheads and device pools give the live tier's holdings, exactly."""
     from orchestrator.runtime.host_tier import DECAY as LIVE_DECAY
+    from orchestrator.runtime.host_tier import READ_AHEAD_MIN_RATE as LIVE_RATE
     from orchestrator.runtime.host_tier import HostTier
+    from orchestrator.sim.host_tier import READ_AHEAD_MIN_RATE
 
     class FakeDisk:
         def advise(self, pairs, advice):
@@ -116,12 +118,12 @@ def test_the_ranking_is_the_live_tiers():
         def set_on_device(self, on_device):
             pass
 
-    n_layer, n_expert, k, capacity = 3, 8, 2, 6
+    n_layer, n_expert, k, capacity = 3, 16, 2, 12
     rng = np.random.default_rng(1)
     live = HostTier(FakeDisk(), n_layer, n_expert, capacity)
     device = np.zeros((n_layer, n_expert), dtype=bool)
     sim = RankedTier(n_layer, n_expert, capacity, Disk(4e9, 1e-4), 1.0, device)
-    assert DECAY == LIVE_DECAY
+    assert DECAY == LIVE_DECAY and READ_AHEAD_MIN_RATE == LIVE_RATE
     for step in range(30):
         n_tokens = int(rng.integers(1, 4))
         ids = np.stack([np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tokens)])
