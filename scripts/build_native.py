@@ -729,19 +729,21 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.force or args.sdist) and up_to_date(key, args.python, stamp_path(args), args.cpu_variant):
             log(f"up to date ({len(patches)} patches), nothing to do")
             return 0
-        sdist = fetch_sdist(lock, args.python, args.sdist)
-        before = patched_files(TREE)
-        prepare_tree(sdist, lock["sha256"])
-        place_native()
-        apply_patches(patches)
-        keep_mtimes(TREE, before)
-        log(f"{len(patches)} patches apply cleanly")
-        if args.configure_only:
-            configure(cmake)
-            return 0
-        if args.cpu_variant and not args.sanitize:
+        if args.cpu_variant and not (args.sanitize or args.configure_only):
+            # the tree as the current base build left it: preparing it again would clean out what
+            # that build installed into it (llama_cpp/lib, which upstream's Python tests load)
             install_cpu_variant(args, cmake, lock, patches)
         else:
+            sdist = fetch_sdist(lock, args.python, args.sdist)
+            before = patched_files(TREE)
+            prepare_tree(sdist, lock["sha256"])
+            place_native()
+            apply_patches(patches)
+            keep_mtimes(TREE, before)
+            log(f"{len(patches)} patches apply cleanly")
+            if args.configure_only:
+                configure(cmake)
+                return 0
             pip_install(args.python, cmake)
         lib = installed_lib(args.python)
         if lib is None:
