@@ -13,7 +13,8 @@ non-expert weights, the draft, the KV caches and 1 GiB come first, the experts t
 stay on the disk (orchestrator/sim/host_tier.py). Systems:
 - spac: the default policy (`spac`: greedy misses, the draft's lookahead) over the live host
   tier's rule: ranked by decayed use counts, exclusive of the device pool, reading ahead after
-  each verify pass what ranks in (orchestrator/sim/host_tier.py, RankedTier).
+  each verify pass what ranks in and was chosen lately at least twice as often as uniform routing
+  would (orchestrator/sim/host_tier.py, RankedTier).
 - llama.cpp's mmap without its GPU expert cache (`static`, --n-cpu-moe) and with it
   (`llama-moe-cache`): the page cache an LRU of the same RAM, experts faulted in when touched.
 --ablations: two more spac columns, the tier inclusive of the device pool (the earlier design)

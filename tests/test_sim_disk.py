@@ -107,9 +107,9 @@ def test_an_exclusive_tier_is_never_slower_where_the_pool_is_a_large_share_of_it
 def test_the_ranking_is_the_live_tiers():
     """The same passes, lookaheads and device pools give the live tier's holdings, exactly."""
     from orchestrator.runtime.host_tier import DECAY as LIVE_DECAY
-    from orchestrator.runtime.host_tier import READ_AHEAD_MIN_RATE as LIVE_RATE
+    from orchestrator.runtime.host_tier import READ_AHEAD_OVER_UNIFORM as LIVE_OVER
     from orchestrator.runtime.host_tier import HostTier
-    from orchestrator.sim.host_tier import READ_AHEAD_MIN_RATE
+    from orchestrator.sim.host_tier import READ_AHEAD_OVER_UNIFORM
 
     class FakeDisk:
         def advise(self, pairs, advice):
@@ -122,8 +122,8 @@ def test_the_ranking_is_the_live_tiers():
     rng = np.random.default_rng(1)
     live = HostTier(FakeDisk(), n_layer, n_expert, capacity)
     device = np.zeros((n_layer, n_expert), dtype=bool)
-    sim = RankedTier(n_layer, n_expert, capacity, Disk(4e9, 1e-4), 1.0, device)
-    assert DECAY == LIVE_DECAY and READ_AHEAD_MIN_RATE == LIVE_RATE
+    sim = RankedTier(n_layer, n_expert, capacity, Disk(4e9, 1e-4), 1.0, device, k)
+    assert DECAY == LIVE_DECAY and READ_AHEAD_OVER_UNIFORM == LIVE_OVER
     for step in range(30):
         n_tokens = int(rng.integers(1, 4))
         ids = np.stack([np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tokens)])

@@ -31,11 +31,13 @@ MARGIN_MIN_BYTES = 64 << 20
 MARGIN_FRACTION = 0.125
 # the ranking's memory: a choice counts this much less after every pass
 DECAY = 0.8
-# a read ahead after a pass only for an expert chosen at least this often per pass lately (its
-# decayed count times 1 - DECAY): below it, a read is likelier wasted than used (uniform routing
-# chooses each expert top_k / n_expert of the time, 6% on Qwen3-30B-A3B); the draft's choices
-# are read ahead whatever their count
-READ_AHEAD_MIN_RATE = 0.25
+# a read ahead after a pass only for an expert chosen at least this many times as often per pass
+# lately (its decayed count times 1 - DECAY) as uniform routing would choose it (top_k / n_expert:
+# 6% on Qwen3-30B-A3B, 3% on gpt-oss-120b): below it, a read is likelier wasted than used. The
+# draft's choices are read ahead whatever their count. Relative to the model's own uniform rate,
+# not one rate for all: a fixed 0.25 (4x Qwen3-30B-A3B's, 8x gpt-oss-120b's) cost the simulated
+# gpt-oss-120b up to 14% (docs/simulator.md)
+READ_AHEAD_OVER_UNIFORM = 2.0
 
 
 def _cgroup_room() -> int | None:
@@ -197,6 +199,7 @@ class HostTier:
         self.resident = np.zeros((n_moe_layers, n_expert), bool)
         self.on_device = np.zeros((n_moe_layers, n_expert), bool)
         self.n_passes = 0
+        self.min_rate = 0.0  # READ_AHEAD_OVER_UNIFORM × top_k / n_expert, once a pass shows top_k
         self.busy_s = 0.0  # time spent ranking, reading ahead and dropping, on the loop's thread
         self.trace: list | None = None
 
@@ -210,6 +213,7 @@ class HostTier:
             self.on_device = on_device
             self.disk.set_on_device(on_device)
         self.n_passes += 1
+        self.min_rate = READ_AHEAD_OVER_UNIFORM * ids.shape[-1] / self.score.shape[1]
         layer, expert = _chosen(ids)
         np.add.at(self.score, (layer, expert), 1.0)  # once per token that chose it
         used = np.zeros_like(self.resident)
@@ -242,7 +246,7 @@ class HostTier:
             self.disk.advise(np.argwhere(drop), DISK_DROP)
         self.resident &= ~drop
         if self.read_ahead:
-            read = want & ~self.resident & (keep | (self.score * (1 - DECAY) >= READ_AHEAD_MIN_RATE))
+            read = want & ~self.resident & (keep | (self.score * (1 - DECAY) >= self.min_rate))
             if read.any():
                 self.disk.advise(np.argwhere(read), DISK_READ)
                 self.resident |= read

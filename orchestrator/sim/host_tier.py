@@ -7,9 +7,9 @@ depends on the system:
     RankedTier (spac)   the live tier's rule (orchestrator/runtime/host_tier.py, HostTier): each
                         expert's use count, +1 per token that chose it and × DECAY after every
                         pass. After each verify pass the `slots` best-ranked experts, the pass's
-                        own choices first, are kept: those not in memory and chosen in at least a
-                        quarter of the passes lately are read ahead (queued on the disk, off the
-                        critical path), and the others dropped. While a draft with
+                        own choices first, are kept: those not in memory and chosen lately at least
+                        twice as often as uniform routing would are read ahead (queued on the disk,
+                        off the critical path), and the others dropped. While a draft with
                         routing drafts (a pool draft), each token's chosen experts count one more,
                         rank first and are read. The tier is exclusive of the device pool: each
                         ranking drops, and does not count, the experts the pool holds. A copy to
@@ -39,10 +39,11 @@ HOST_MARGIN = 1 << 30  # left free in host RAM besides the resident weights and 
 # a choice counts this much less after every pass: orchestrator.runtime.host_tier.DECAY (copied,
 # not imported: that module loads the native engine's bindings)
 DECAY = 0.8
-# a read ahead after a pass only for an expert chosen at least this often per pass lately (its
-# decayed count × (1 − DECAY)); the draft's choices whatever their count (the live tier's rule,
-# orchestrator.runtime.host_tier.READ_AHEAD_MIN_RATE, copied as DECAY is)
-READ_AHEAD_MIN_RATE = 0.25
+# a read ahead after a pass only for an expert chosen at least this many times as often per pass
+# lately (its decayed count × (1 − DECAY)) as uniform routing would (top_k / n_expert); the
+# draft's choices whatever their count (the live tier's rule,
+# orchestrator.runtime.host_tier.READ_AHEAD_OVER_UNIFORM, copied as DECAY is)
+READ_AHEAD_OVER_UNIFORM = 2.0
 FIRST = 1e9  # what a pass or the draft needs now outranks any history (the live tier's)
 # the experts the tier starts with count as chosen once by a prompt this many passes before the
 # first decoded one (an assumption: a trace has no prompt; the live tier ranks the prompt's pass)
@@ -135,12 +136,14 @@ class RankedTier(_Tier):
     read_ahead=False: the live ablation that only keeps and drops."""
 
     def __init__(self, n_layer: int, n_expert: int, slots: int, disk: Disk, expert_bytes: float,
-                 device: np.ndarray, rank: str = "uses", exclusive: bool = True, read_ahead: bool = True) -> None:
+                 device: np.ndarray, top_k: int, rank: str = "uses", exclusive: bool = True,
+                 read_ahead: bool = True) -> None:
         super().__init__(n_layer, n_expert, slots, disk, expert_bytes)
         if rank not in ("uses", "utility"):
             raise ValueError(f"host tier rank must be 'uses' or 'utility', got {rank!r}")
         self.device, self.rank, self.exclusive, self.read_ahead = device, rank, exclusive, read_ahead
         self.score = np.zeros((n_layer, n_expert))
+        self.min_rate = READ_AHEAD_OVER_UNIFORM * top_k / n_expert
 
     def fill(self, first: np.ndarray) -> None:
         """Exclusive: none of the pool's experts (`first`); inclusive: those first. They and the
@@ -191,7 +194,7 @@ class RankedTier(_Tier):
         if self.read_ahead:
             read = want & ~self.in_host
             if self.rank == "uses":  # as the live tier: only what is chosen often enough, or now
-                read &= keep | (self.score * (1 - DECAY) >= READ_AHEAD_MIN_RATE)
+                read &= keep | (self.score * (1 - DECAY) >= self.min_rate)
             read = np.flatnonzero(read.ravel())
             self.arrives_at.ravel()[read] = self._queue(len(read), now)
             self.in_host.ravel()[read] = True

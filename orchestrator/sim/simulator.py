@@ -388,7 +388,7 @@ class Simulator:
         t, c, cfg = self.trace, self.costs, self.config
         disk = c.disk or profiles.disk(profiles.DEFAULT_DISK)
         if getattr(policy, "utility", None) is not None:
-            tier = RankedTier(t.n_layer, t.n_expert, self.host_slots, disk, c.expert_bytes, pool.allocated,
+            tier = RankedTier(t.n_layer, t.n_expert, self.host_slots, disk, c.expert_bytes, pool.allocated, t.top_k,
                               cfg.host_rank, cfg.host_exclusive, read_ahead=cfg.read_ahead != "none")
         else:
             tier = PageCache(t.n_layer, t.n_expert, self.host_slots, disk, c.expert_bytes, cfg.fault_threads)
