@@ -478,12 +478,7 @@ def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None
     (top,) = list(src.iterdir())
     if prepare is not None:
         prepare(top / source_dir)
-    build = ("ggml-cpu",) if relink_from else targets
-    for cmd in (["cmake", "-S", str(top / source_dir), "-B", str(out), *cmake],
-                ["cmake", "--build", str(out), "--target", *build, "-j", str(os.cpu_count() or 1)]):
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    cmake_build(top / source_dir, out, cmake, ("ggml-cpu",) if relink_from else targets)
     for target in targets if relink_from else ():
         relink(relink_from, out, target)
     shutil.rmtree(src, ignore_errors=True)
@@ -491,6 +486,15 @@ def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None
     if missing:
         raise BuildError(f"the {name} build produced no {', '.join(missing)} in {out / 'bin'}")
     return exe
+
+
+def cmake_build(source: Path, out: Path, cmake: list[str], targets: tuple[str, ...]) -> None:
+    """Configure `source` into `out` with `cmake` and build `targets` there."""
+    for cmd in (["cmake", "-S", str(source), "-B", str(out), *cmake],
+                ["cmake", "--build", str(out), "--target", *targets, "-j", str(os.cpu_count() or 1)]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
 
 
 def relink(base: Path, out: Path, target: str) -> None:
@@ -643,11 +647,7 @@ def install_cpu_variant(args: argparse.Namespace, cmake: list[str], lock: dict, 
     base_pkg = installed_lib(args.base_python).parent.parent
     out = build_dir_of(cmake).with_name(build_dir_of(cmake).name + "-cpu")  # not a wheel's build dir
     log(f"building ggml's CPU backend for --cpu-variant {args.cpu_variant} in {out.relative_to(ROOT)}")
-    for cmd in (["cmake", "-S", str(TREE), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", *cmake],
-                ["cmake", "--build", str(out), "--target", "ggml-cpu", "-j", str(os.cpu_count() or 1)]):
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise BuildError(f"{' '.join(cmd[:2])} failed:\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    cmake_build(TREE, out, ["-DCMAKE_BUILD_TYPE=Release", *cmake], ("ggml-cpu",))
     (cpu_lib,) = out.glob("bin/libggml-cpu.so")
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     dst = Path(subprocess.run([args.python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
