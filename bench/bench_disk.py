@@ -200,9 +200,10 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
         d = json.loads(out)
         runs.append({"out": d, "rep": rep, "trace": trace_path, "decode_tok_s": (d["n_tokens"] - 1) / d["decode_s"]})
     runs.sort(key=lambda r: r["decode_tok_s"])
-    d, rep = runs[len(runs) // 2]["out"], runs[len(runs) // 2]["rep"]
+    median = runs[len(runs) // 2]
+    d, rep = median["out"], median["rep"]
     tier = d.get("host_tier") or {}
-    row = {"system": name, "decode_tok_s": runs[len(runs) // 2]["decode_tok_s"],
+    row = {"system": name, "decode_tok_s": median["decode_tok_s"],
            "decode_tok_s_runs": [r["decode_tok_s"] for r in runs],
            "prompt_tok_s": d["n_prompt_tokens"] / d["prefill_s"], "bytes_read": rep["bytes_read"],
            "stalls": tier.get("stalls", rep["majflt"]), "majflt": rep["majflt"], "oom": False,
