@@ -34,6 +34,16 @@ def run_sequence(ctx: Context) -> np.ndarray:
     return np.concatenate(out)
 
 
+def decode_runs(ctx: Context, runs: list[list[int]]) -> list[np.ndarray]:
+    """The logits after each run of tokens, decoded one ubatch each from an empty cache."""
+    ctx.clear()
+    out = []
+    for run in runs:
+        ctx.decode(run)
+        out.append(ctx.logits().copy())
+    return out
+
+
 def tensor_reader():
     """ggml-base with what an eval callback needs to read a tensor: name, element count, data."""
     import ctypes

@@ -13,10 +13,10 @@ import pytest
 from build_native import NATIVE, native_files  # scripts/ is on pytest's pythonpath
 from conftest import LLAMA_CPP_TREE, compile_native
 
-from orchestrator.runtime.native import SpacDiskStats, SpacEngineParams, SpacEngineStats
+from orchestrator.runtime.native import SpacDiskStats, SpacEngineParams, SpacEngineStats, SpacMissCosts
 
 STRUCTS = {"spac_engine_params": SpacEngineParams, "spac_engine_stats": SpacEngineStats,
-           "spac_disk_stats": SpacDiskStats}
+           "spac_disk_stats": SpacDiskStats, "spac_miss_costs": SpacMissCosts}
 
 
 def test_native_holds_the_pool_the_api_and_the_exact_kernels():

@@ -13,7 +13,7 @@ from orchestrator.runtime.llm import Context, Model
 from orchestrator.runtime.native import ExpertEngine, engine_built
 from orchestrator.gguf_files.gguf_export import make_random_model
 
-from engine_common import model_config
+from engine_common import decode_runs, model_config
 
 pytestmark = pytest.mark.skipif(not engine_built(), reason="native engine not built")
 CACHE_TOKENS = 32  # llama.cpp's: a verify pass's ubatch
@@ -26,15 +26,6 @@ def models(tmp_path_factory):
                                  quant=None if q == "f32" else q) for q in ("f32", "q4_k_m")}
 
 
-def passes(ctx: Context, runs: list[list[int]]) -> list[np.ndarray]:
-    ctx.clear()
-    out = []
-    for run in runs:
-        ctx.decode(run)
-        out.append(ctx.logits().copy())
-    return out
-
-
 RUNS = [list(range(10, 22)), [5], [7, 8, 9], [200, 201, 202, 203, 204, 205, 206, 207, 208], [33], [34, 35]]
 
 
@@ -44,9 +35,9 @@ def test_every_routed_expert_runs_on_the_device_and_the_logits_are_unchanged(mod
     model = Model(models[quant], repack="off")
     ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
     try:
-        want = passes(ctx, RUNS)
+        want = decode_runs(ctx, RUNS)
         with ExpertEngine(ctx.ptr, models[quant], budget_ratio=budget, upload_on_miss_tokens=CACHE_TOKENS) as engine:
-            got = passes(ctx, RUNS)
+            got = decode_runs(ctx, RUNS)
             s = engine.stats()
             for a, b in zip(got, want):
                 np.testing.assert_array_equal(a, b)
@@ -115,14 +106,14 @@ def test_a_pool_of_every_expert_is_filled_at_load_and_never_stages(models, strea
     ctx = Context(model, n_ctx=256, n_batch=64, n_threads=2)
     runs = RUNS + [list(range(60, 100))]
     try:
-        want = passes(ctx, runs)
+        want = decode_runs(ctx, runs)
         with ExpertEngine(ctx.ptr, models["f32"], budget_ratio=1.0, upload_on_miss_tokens=CACHE_TOKENS,
                           stream_prefill=stream, max_split_tokens=16) as engine:
             L, E = engine.n_moe_layers, engine.n_expert
             assert (engine.residency() >= 0).all()
             s = engine.stats()
             assert s["n_copies"] == L * E and s["n_copy_batches"] == L and s["n_slots"] == L * E
-            got = passes(ctx, runs)
+            got = decode_runs(ctx, runs)
             s = engine.stats()
             for a, b in zip(got, want):
                 np.testing.assert_array_equal(a, b)

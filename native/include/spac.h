@@ -69,6 +69,27 @@ struct spac_engine_params {
                                 // mapped file at the pinned rate with no second copy of the weights.
                                 // Pins (and so reads in) the whole range; logged when the device
                                 // cannot or refuses; nothing when the model's copy is pinned already
+    int32_t      miss_gate_tokens; // spac's miss rule: a split ubatch of at most this many tokens decides,
+                                // at each MoE layer once its router has run, where each chosen expert the
+                                // pool lacks computes: uploaded into a slot (the victim: llama.cpp master's
+                                // ClassLRU), on the host, or streamed once through its staging slot when
+                                // no slot may go (only where streamed prefill has staging slots). The
+                                // costs come from spac_engine_set_miss_costs; until then every miss is the
+                                // host's. 0: off (every miss on the host, the plan's residency only)
+};
+
+// spac's miss rule (miss_gate_tokens): a layer's misses, hottest first, are uploaded while the
+// upload and the device's compute finish no later than the host would the coldest, plus the host
+// time the expert's later uses are expected to save once it is resident (its decayed use count
+// over the count of an expert every token uses, times horizon_tokens, times one token's host-minus-
+// device time). Times in microseconds; [i] is one expert computed for i + 1 tokens.
+#define SPAC_MISS_MAX_TOKENS 64
+struct spac_miss_costs {
+    float upload_us;       // one expert host -> pool device
+    float sync_us;         // the device half's wait for the gate (the router's ids read back)
+    float horizon_tokens;  // an upload's credit; 0: none (HybriMoE's greedy within the pass)
+    float host_us  [SPAC_MISS_MAX_TOKENS];
+    float device_us[SPAC_MISS_MAX_TOKENS];
 };
 
 enum spac_stream_prefill {
@@ -112,6 +133,9 @@ struct spac_engine_stats {
     uint64_t n_stage_batches;        // staged layers (streamed prefill, upload on miss): one batch
                                      // each; stage_copy_us / n_stage_batches is one layer's copy time
     uint64_t bytes_pinned;           // the file mapping's bytes registered as pinned memory (pin_mapping)
+    uint64_t n_gate_uploads;         // the miss rule's choices (miss_gate_tokens), distinct experts per layer
+    uint64_t n_gate_host;            // and pass: uploaded into a slot, computed on the host, streamed
+    uint64_t n_gate_streamed;        // through a staging slot (uploads and streams also count as staged)
 };
 
 struct spac_engine_params spac_engine_default_params(void);
@@ -137,6 +161,10 @@ int32_t spac_engine_n_expert_used(const spac_engine * engine);
 int32_t spac_engine_set_plan(spac_engine * engine, const uint8_t * utility, const int32_t * threshold,
                              const int32_t * prefetch, int32_t n_prefetch,
                              const int32_t * evict, int32_t n_evict, char * err, size_t err_len);
+
+// the miss rule's costs (miss_gate_tokens), from the next ubatch on; 0 on success, -1 on bad
+// values (message in err). NULL: no costs, every miss on the host again.
+int32_t spac_engine_set_miss_costs(spac_engine * engine, const struct spac_miss_costs * costs, char * err, size_t err_len);
 
 // block until the copy worker has nothing left to do (or timeout); 1 = idle, 0 = timed out
 int32_t spac_engine_wait_idle(spac_engine * engine, int32_t timeout_ms);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -205,6 +206,9 @@ llama_expert_pool::llama_expert_pool(llama_context & lctx, const spac_engine_par
         }
     }
 
+    has_staging = (stream_prefill != SPAC_STREAM_OFF || upload_on_miss > 0) && !holds_all;
+    miss_gate_max = std::max(0, params.miss_gate_tokens);
+
     // pool tensors: one per kind per group, each expert at [.., slot]; the last slot stays zero
     ggml_init_params ip = { (groups.size() * LLAMA_EXPERT_N_KINDS + 1) * ggml_tensor_overhead(), nullptr, true };
     ctx = ggml_init(ip);
@@ -216,8 +220,7 @@ llama_expert_pool::llama_expert_pool(llama_context & lctx, const spac_engine_par
                 continue;
             }
             int64_t ne[GGML_MAX_DIMS] = { t->ne[0], t->ne[1], t->ne[2], t->ne[3] };
-            const bool staged = (stream_prefill != SPAC_STREAM_OFF || upload_on_miss > 0) && !holds_all;
-            ne[expert_dim(t)] = groups[g].n_slots + n_map_positions + (staged ? 2 * n_expert : 0);
+            ne[expert_dim(t)] = groups[g].n_slots + n_map_positions + (has_staging ? 2 * n_expert : 0);
             groups[g].pool[k] = ggml_new_tensor(ctx, t->type, ggml_n_dims(t), ne);
             ggml_format_name(groups[g].pool[k], "expert_pool.%zu.%d", g, k);
         }
@@ -332,6 +335,9 @@ llama_expert_pool::llama_expert_pool(llama_context & lctx, const spac_engine_par
     }
     const size_t n_keys = layer_il.size() * n_expert;
     slot_of.assign(n_keys, -1);
+    use_count.assign(n_keys, 0.0f);
+    use_class.assign(n_keys, 0);
+    use_last.assign(n_keys, 0.0);
     utility.assign(n_keys, 0);
     threshold.assign(layer_il.size(), INT32_MAX); // no plan yet: nothing is wanted
     evict_rank.assign(n_keys, INT32_MAX);
@@ -422,8 +428,17 @@ ggml_tensor * llama_expert_pool::pool_tensor(int il, const ggml_tensor * t) cons
 }
 
 void llama_expert_pool::fill_maps(int32_t * cpu, int32_t * dev_map, uint32_t n_tokens, bool draft) {
-    GGML_UNUSED(n_tokens);
-    std::lock_guard<std::mutex> lk(mtx);
+    std::unique_lock<std::mutex> lk(mtx);
+    if (!draft && gates_misses(n_tokens)) {
+        // the gates' uploads go through the stage queue, layer by layer; the ClassLRU's clock
+        // advances by the ubatch's tokens
+        stage_queue.clear();
+        cv_stage.wait(lk, [&] { return !staging; });
+        stage_keys.assign(n_moe_layers(), {});
+        stage_slots.assign(n_moe_layers(), {});
+        stage_done = first_moe;
+        token_clock += n_tokens;
+    }
     const int32_t P = n_map_positions;
     last_dev_map.resize(slot_of.size());
     for (int m = first_moe; m < end_moe; ++m) {
@@ -653,6 +668,183 @@ int32_t llama_expert_pool::lru_slot(group & g, int32_t m, const std::vector<uint
         stats.n_evictions++;
     }
     return best;
+}
+
+void llama_expert_pool::count_uses(int32_t m, const std::vector<int32_t> & count) {
+    const double now = gate_now(m);
+    for (int32_t e = 0; e < n_expert; ++e) {
+        if (count[e] == 0) {
+            continue;
+        }
+        const int32_t key = m * n_expert + e;
+        const double age = now - use_last[key];
+        use_count[key] = (float) (use_count[key] * std::exp2(-age / 128.0) + count[e]);
+        use_class[key] = (int8_t) std::min(7.0, std::floor(std::log2((double) use_count[key])));
+        use_last[key]  = now;
+    }
+}
+
+int32_t llama_expert_pool::class_lru_slot(group & g, int32_t m, const std::vector<int32_t> & count) {
+    if (const int32_t s = take_free_slot(g); s >= 0) {
+        return s;
+    }
+    // llama.cpp master's victim: the largest age / 2^class, never one of this layer's chosen experts;
+    // an earlier layer's are allowed (this layer's router has run: the device is done with them), a
+    // pool draft's and a slot being copied are not. Never used: first.
+    const double now = gate_now(m);
+    int32_t best = -1;
+    double best_key = -1.0;
+    for (int32_t s = 0; s < g.n_slots; ++s) {
+        const int32_t key = g.owner[s];
+        if (key < 0 || (key / n_expert == m && count[key % n_expert] > 0) || (g.frozen[s] & ~FROZEN_TARGET)) {
+            continue;
+        }
+        const double k = use_count[key] > 0.0f ? (now - use_last[key]) / std::exp2((double) use_class[key]) : INFINITY;
+        if (best < 0 || k > best_key) {
+            best = s;
+            best_key = k;
+        }
+    }
+    if (best >= 0) {
+        slot_of[g.owner[best]] = -1;
+        g.owner[best] = -1;
+        stats.n_evictions++;
+    }
+    return best;
+}
+
+bool llama_expert_pool::set_miss_costs(const spac_miss_costs * costs, std::string & err) {
+    if (costs != nullptr) {
+        std::vector<float> all = { costs->upload_us, costs->sync_us, costs->horizon_tokens };
+        all.insert(all.end(), costs->host_us, costs->host_us + SPAC_MISS_MAX_TOKENS);
+        all.insert(all.end(), costs->device_us, costs->device_us + SPAC_MISS_MAX_TOKENS);
+        for (float v : all) {
+            if (!std::isfinite(v) || v < 0.0f) {
+                err = "every miss cost must be finite and >= 0, got " + std::to_string(v);
+                return false;
+            }
+        }
+    }
+    std::lock_guard<std::mutex> lk(mtx);
+    miss_costs_set = costs != nullptr;
+    miss_costs = costs ? *costs : spac_miss_costs {};
+    return true;
+}
+
+void llama_expert_pool::miss_gate(int32_t m, const int32_t * sel, int64_t n, int32_t * out) {
+    const int64_t t0 = ggml_time_us();
+    std::unique_lock<std::mutex> lk(mtx);
+    group & g = groups[layer_group[m]];
+    std::vector<int32_t> count(n_expert, 0);
+    for (int64_t i = 0; i < n; ++i) {
+        if (sel[i] >= 0 && sel[i] < n_expert) {
+            count[sel[i]]++;
+        }
+    }
+    count_uses(m, count);
+    const spac_miss_costs & c = miss_costs;
+    auto at = [&](const float * t, int32_t tokens) { return t[std::min(tokens, SPAC_MISS_MAX_TOKENS) - 1]; };
+
+    // HybriMoE's two-ended greedy with an upload credited for its reuse (the simulator's
+    // ReuseCredited): the hottest miss goes to the device while its upload and compute end no later
+    // than the host would end the coldest, plus the credit; else the coldest goes to the host
+    float device_free = c.sync_us;
+    std::vector<int32_t> misses;
+    for (int32_t e = 0; e < n_expert; ++e) {
+        if (count[e] == 0) {
+            continue;
+        }
+        const int32_t s = slot_of[m * n_expert + e];
+        if (s >= 0) {
+            g.last_use[s] = ++use_clock;
+            device_free += at(c.device_us, count[e]);
+        } else {
+            misses.push_back(e);
+        }
+    }
+    const float saturation = (float) (1.0 / (1.0 - std::exp2(-1.0 / 128.0)));
+    std::vector<float> credit(n_expert, 0.0f);
+    for (int32_t e : misses) {
+        credit[e] = use_count[m * n_expert + e] / saturation * c.horizon_tokens *
+                    std::max(c.host_us[0] - c.device_us[0], 0.0f);
+    }
+    const float per_token = std::max(c.host_us[0], 1e-6f);
+    std::stable_sort(misses.begin(), misses.end(), [&](int32_t a, int32_t b) {
+        return count[a] + credit[a] / per_token > count[b] + credit[b] / per_token;
+    });
+    std::vector<uint8_t> to_device(n_expert, 0);
+    if (miss_costs_set) {
+        float host_free = 0.0f, link_free = 0.0f;
+        size_t lo = 0, hi = misses.size();
+        while (lo < hi) {
+            const int32_t hot = misses[lo], cold = misses[hi - 1];
+            const float arrival = link_free + c.upload_us;
+            const float device_done = std::max(device_free, arrival) + at(c.device_us, count[hot]);
+            const float host_done = host_free + at(c.host_us, count[cold]);
+            if (device_done <= host_done + credit[hot]) {
+                to_device[hot] = 1;
+                link_free = arrival;
+                device_free = device_done;
+                lo++;
+            } else {
+                host_free = host_done;
+                hi--;
+            }
+        }
+    }
+
+    // the device's misses: into a slot, else (every slot is this layer's, a draft's or being
+    // copied) once through the staging slot where there is one, else the host after all
+    auto & keys  = stage_keys[m];
+    auto & slots = stage_slots[m];
+    keys.clear();
+    slots.clear();
+    for (int32_t e = 0; e < n_expert; ++e) {
+        if (!to_device[e]) {
+            stats.n_gate_host += count[e] > 0 && slot_of[m * n_expert + e] < 0;
+            continue;
+        }
+        int32_t s = class_lru_slot(g, m, count);
+        if (s >= 0) {
+            g.owner[s] = -2; // being copied: in no map, never a victim
+            g.frozen[s] |= FROZEN_TARGET;
+            g.last_use[s] = ++use_clock;
+            stats.n_gate_uploads++;
+        } else if (has_staging) {
+            s = staging_slot(g, m, e);
+            stats.n_gate_streamed++;
+        } else {
+            to_device[e] = 0;
+            stats.n_gate_host++;
+            continue;
+        }
+        keys.push_back(e);
+        slots.push_back(s);
+    }
+    if (!keys.empty()) {
+        stage_queue.push_back({ m, nullptr });
+        cv_work.notify_all();
+        cv_stage.wait(lk, [&] { return stage_done > m; });
+        for (size_t i = 0; i < keys.size(); ++i) {
+            if (slots[i] < g.n_slots) {
+                const int32_t key = m * n_expert + keys[i];
+                g.owner[slots[i]] = key;
+                slot_of[key] = slots[i];
+            }
+        }
+    }
+
+    const int32_t P = n_map_positions;
+    for (int32_t e = 0; e < n_expert; ++e) {
+        const int32_t key = m * n_expert + e;
+        const int32_t s = slot_of[key] >= 0 ? slot_of[key] : to_device[e] ? staging_slot(g, m, e) : -1;
+        out[e] = s >= 0 ? -1 : e;
+        for (int32_t p = 0; p < P; ++p) {
+            out[(size_t) (1 + p) * n_expert + e] = s >= 0 ? s : g.absent < 0 ? -1 : g.absent + p;
+        }
+        last_dev_map[key] = s >= 0 ? s : g.absent;
+    }
+    stats.stage_wait_us += (double) (ggml_time_us() - t0);
 }
 
 void llama_expert_pool::attach_draft(llama_context * draft) {

@@ -116,6 +116,14 @@ struct llama_expert_pool {
     // SPAC_STREAM_USED: sel (n ids of the layer's router) names the experts to copy, now.
     // A cached ubatch: the misses go to LRU slots and map_out [n_expert] gets layer m's map
     void stage_gate(int32_t m, const int32_t * sel = nullptr, int64_t n = 0, int32_t * map_out = nullptr);
+    // spac's miss rule (miss_gate_tokens) takes this split ubatch: each MoE layer's gate decides
+    // where its misses compute (never a pool of every expert: it has none)
+    bool gates_misses(uint32_t n_tokens) const { return miss_gate_max > 0 && !holds_all && (int32_t) n_tokens <= miss_gate_max; }
+    // graph side, a CPU op after layer m's router (sel: its n ids): uploads or streams the misses the
+    // rule sends to the device, and writes the layer's maps into out [1 + n_map_positions][n_expert]:
+    // the host map (expert, or -1 for one the device computes), then the device maps
+    void miss_gate(int32_t m, const int32_t * sel, int64_t n, int32_t * out);
+    bool set_miss_costs(const spac_miss_costs * costs, std::string & err);
     struct gate_arg { llama_expert_pool * pool; int32_t m; };
     std::vector<gate_arg> gate_args; // one per MoE layer: the gate op's userdata
 
@@ -169,6 +177,11 @@ private:
     int32_t pick_slot(group & g, int32_t key); // free slot, else a victim; -1 when none may go
     int32_t lru_slot(group & g, int32_t m, const std::vector<uint8_t> & chosen); // a cached ubatch's miss: free slot, else the LRU one not chosen by layer m; -1
     int32_t take_free_slot(group & g);         // a free slot, taken; -1 when none
+    int32_t class_lru_slot(group & g, int32_t m, const std::vector<int32_t> & count); // the miss rule's: free, else ClassLRU's victim; -1
+    void    count_uses(int32_t m, const std::vector<int32_t> & count); // the ClassLRU's decayed use counts
+    // the ClassLRU's clock at MoE layer m: the layers of a ubatch in order within its tokens, as the
+    // simulator's LlamaMoeCache
+    double  gate_now(int32_t m) const { return token_clock + (double) m / n_moe_layers(); }
     // where expert e of MoE layer m goes when it is staged (two layers' buffers, alternating)
     int32_t staging_slot(const group & g, int32_t m, int32_t e) const { return g.staging + (m % 2) * n_expert + e; }
 
@@ -187,6 +200,16 @@ private:
     int32_t upload_on_miss = 0;   // the expert-cache ablation's largest ubatch (0: off)
     bool holds_all = false;       // a slot for every expert: filled at load, no staging slots
     bool caching = false;         // the current streamed ubatch is a cached one
+    bool has_staging = false;     // 2 * n_expert staging slots per group (streamed prefill, upload on miss)
+    int32_t miss_gate_max = 0;    // spac's miss rule: its largest ubatch (0: off)
+    bool miss_costs_set = false;
+    spac_miss_costs miss_costs = {};
+    // llama.cpp master's ClassLRU (its header comment, release b12170), per key: uses decayed with a
+    // 128-token half-life, their class floor(log2), the clock (tokens of gated ubatches) of the last use
+    std::vector<float>  use_count;
+    std::vector<int8_t> use_class;
+    std::vector<double> use_last;
+    double token_clock = 0.0;
     uint64_t use_clock = 0;       // the LRU's clock: one tick per touched slot
     std::array<ggml_backend_event_t, 2> stage_events = {}; // device done with a staging buffer (none: a CPU pool)
 

@@ -51,6 +51,7 @@ spac_engine_params spac_engine_default_params(void) {
     p.upload_on_miss_tokens = 0;
     p.copy_batch_experts = 8;
     p.pin_mapping = false;
+    p.miss_gate_tokens = 0;
     return p;
 }
 
@@ -97,6 +98,15 @@ int32_t spac_engine_set_plan(spac_engine * engine, const uint8_t * utility, cons
         set_err(err, err_len, msg);
     }
     return rc;
+}
+
+int32_t spac_engine_set_miss_costs(spac_engine * engine, const spac_miss_costs * costs, char * err, size_t err_len) {
+    std::string msg;
+    if (!engine->pool->set_miss_costs(costs, msg)) {
+        set_err(err, err_len, msg);
+        return -1;
+    }
+    return 0;
 }
 
 int32_t spac_engine_wait_idle(spac_engine * engine, int32_t timeout_ms) {

@@ -4,7 +4,7 @@ The functions live in the same libllama that llama-cpp-python loads, so they are
 its handle. `ExpertEngine` owns one `spac_engine` (one device), `SeveralPools` one per device;
 routing is read through numpy views of the context's host buffer (no copies).
 
-Why ~610 lines: one ctypes binding per C function of spac.h (with its struct layouts, held
+Why ~670 lines: one ctypes binding per C function of spac.h (with its struct layouts, held
 against the header by tests/test_spac_header.py) and the wrappers that own native memory
 (ExpertEngine, SeveralPools, Routing, ExpertsOnDisk); the pool's devices and budgets are pool.py,
 the RPC backend's server and client side rpc.py, the host tier's rule host_tier.py.
@@ -16,6 +16,8 @@ import ctypes
 import functools
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from ctypes import POINTER, c_bool, c_char_p, c_double, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
@@ -47,6 +49,20 @@ class SpacEngineParams(ctypes.Structure):
         ("upload_on_miss_tokens", c_int32),
         ("copy_batch_experts", c_int32),
         ("pin_mapping", c_bool),
+        ("miss_gate_tokens", c_int32),
+    ]
+
+
+MISS_MAX_TOKENS = 64  # spac.h SPAC_MISS_MAX_TOKENS
+
+
+class SpacMissCosts(ctypes.Structure):
+    _fields_ = [
+        ("upload_us", c_float),
+        ("sync_us", c_float),
+        ("horizon_tokens", c_float),
+        ("host_us", c_float * MISS_MAX_TOKENS),
+        ("device_us", c_float * MISS_MAX_TOKENS),
     ]
 
 
@@ -83,6 +99,9 @@ class SpacEngineStats(ctypes.Structure):
         ("n_copy_batches", c_uint64),
         ("n_stage_batches", c_uint64),
         ("bytes_pinned", c_uint64),
+        ("n_gate_uploads", c_uint64),
+        ("n_gate_host", c_uint64),
+        ("n_gate_streamed", c_uint64),
     ]
 
 
@@ -99,6 +118,27 @@ class SpacDiskStats(ctypes.Structure):
 
 # spac.h enum spac_disk_advice: read an expert from the disk in the background, or drop its pages
 DISK_READ, DISK_DROP = 0, 1
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """spac's miss rule's costs, in seconds (spac.h struct spac_miss_costs): one expert's upload,
+    the device half's wait for the gate, an upload's credit horizon in tokens, and one expert's
+    compute on the host and on the device as functions of its token count."""
+
+    upload_s: float
+    sync_s: float
+    horizon_tokens: float
+    host_s: Callable[[np.ndarray], np.ndarray]
+    device_s: Callable[[np.ndarray], np.ndarray]
+
+    def native(self) -> SpacMissCosts:
+        c = SpacMissCosts()
+        c.upload_us, c.sync_us, c.horizon_tokens = self.upload_s * 1e6, self.sync_s * 1e6, self.horizon_tokens
+        n = np.arange(1, MISS_MAX_TOKENS + 1, dtype=np.float64)
+        c.host_us[:] = (np.broadcast_to(self.host_s(n), n.shape) * 1e6).tolist()
+        c.device_us[:] = (np.broadcast_to(self.device_s(n), n.shape) * 1e6).tolist()
+        return c
 
 
 class NativeError(RuntimeError):
@@ -131,6 +171,7 @@ def _bind():
         # arrays go in as plain addresses: the Python wrapper checks dtype and shape first
         "set_plan": fn("spac_engine_set_plan", c_int32, eng_p, c_void_p, c_void_p, c_void_p, c_int32, c_void_p, c_int32,
                        c_char_p, c_size_t),
+        "set_miss_costs": fn("spac_engine_set_miss_costs", c_int32, eng_p, POINTER(SpacMissCosts), c_char_p, c_size_t),
         "wait_idle": fn("spac_engine_wait_idle", c_int32, eng_p, c_int32),
         "get_stats": fn("spac_engine_get_stats", None, eng_p, POINTER(SpacEngineStats)),
         "reset_stats": fn("spac_engine_reset_stats", None, eng_p),
@@ -381,6 +422,10 @@ class ExpertEngine:
     pin_mapping: register the file mapping's expert range as the device's pinned host memory
     (patch 0025; ggml-cuda registers only with GGML_CUDA_REGISTER_HOST set, which this sets): a
     GPU then copies mapped experts at the pinned rate. Logged where the device cannot.
+    miss_gate_tokens: spac's miss rule (issue 51; 0: off): a split ubatch of at most this many
+    tokens decides at each MoE layer, once its router has run, whether each chosen expert the
+    pool lacks is uploaded (into ClassLRU's victim), computed on the host or streamed once through
+    a staging slot, by the costs given to `set_miss_costs` (none: every miss on the host).
     """
 
     def __init__(self, ctx, model_path: str, device: str | None = None, budget_bytes: int = 0,
@@ -389,7 +434,7 @@ class ExpertEngine:
                  skip_absent: bool = False, only_half: str | None = None,
                  stream_prefill: StreamPrefill | str = StreamPrefill.OFF,
                  layers: tuple[int, int] = (0, 0), upload_on_miss_tokens: int = 0, copy_batch_experts: int | None = None,
-                 pin_mapping: bool = False):
+                 pin_mapping: bool = False, miss_gate_tokens: int = 0):
         self._ctx = _ctx_ptr(ctx)
         self.device = device or "CPU"
         self.layers = layers
@@ -408,6 +453,9 @@ class ExpertEngine:
             copy_batch_experts = 1 if self.device.startswith("RPC") else COPY_BATCH_EXPERTS
         p.copy_batch_experts = int(copy_batch_experts)
         p.pin_mapping = bool(pin_mapping)
+        if not 0 <= miss_gate_tokens <= MISS_MAX_TOKENS:
+            raise ValueError(f"miss_gate_tokens must be in [0, {MISS_MAX_TOKENS}], got {miss_gate_tokens}")
+        p.miss_gate_tokens = int(miss_gate_tokens)
         if pin_mapping:
             os.environ.setdefault("GGML_CUDA_REGISTER_HOST", "1")  # ggml-cuda's opt-in to host registration
         stream = StreamPrefill(stream_prefill)
@@ -469,6 +517,12 @@ class ExpertEngine:
                 and utility.shape == self._shape and threshold.shape == self._threshold.shape):
             raise ValueError(f"plan.utility must be uint8 {self._shape} and plan.threshold int32 "
                              f"({self.n_moe_layers},), got {_describe(utility)} and {_describe(threshold)}")
+
+    def set_miss_costs(self, costs: MissCosts | None) -> None:
+        """The miss rule's costs from the next ubatch on (None: every miss on the host again)."""
+        c = costs.native() if costs is not None else None
+        if lib()["set_miss_costs"](self._live(), ctypes.byref(c) if c is not None else None, self._err, _ERR_LEN) != 0:
+            raise ValueError(self._err.value.decode(errors="replace"))
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         return bool(lib()["wait_idle"](self._live(), int(timeout_s * 1000)))
@@ -547,6 +601,10 @@ class SeveralPools:
     def set_plan(self, plan: Plan) -> None:
         for e in self.engines:
             e.set_plan(plan)
+
+    def set_miss_costs(self, costs: MissCosts | None) -> None:
+        for e in self.engines:
+            e.set_miss_costs(costs)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Every device's worker idle within timeout_s in all."""
