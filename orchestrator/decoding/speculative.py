@@ -52,8 +52,8 @@ from orchestrator.runtime import calibrate
 from orchestrator.runtime.host_layout import Repack, set_batch_invariant_rows
 from orchestrator.runtime.llm import Context, Model, ModelError
 from orchestrator.runtime.host_tier import HostTier, HostTiers, check_host_budget
-from orchestrator.runtime.native import (ExpertsOnDisk, ExpertEngine, NativeError, Routing, SeveralPools,
-                                        copies_block_compute, model_layer_devices, model_moe_layers)
+from orchestrator.runtime.native import (MISS_MAX_TOKENS, ExpertsOnDisk, ExpertEngine, MissCosts, NativeError, Routing,
+                                        SeveralPools, copies_block_compute, model_layer_devices, model_moe_layers)
 from orchestrator.runtime.placement import PlacementError, pool_layer_ranges
 from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
@@ -193,7 +193,9 @@ class Session:
         self.draft = self.draft_ctx = None
         self.draft_kind = DraftKind.NONE  # what drafts now (NONE once a draft is dropped)
         self.engine_note = ""
-        self._native_cache = False  # the engine's upload-on-miss LRU instead of plans (patch 0023)
+        # the engine places the experts itself at each layer, instead of plans: llama.cpp's
+        # upload-on-miss LRU (patch 0023) or spac's miss rule (patch 0031)
+        self._engine_places = False
         self._models: list[Model] = []
         self._contexts: list[Context] = []
         self._tokens: list[int] = []
@@ -303,15 +305,19 @@ class Session:
         if self.policy is None:
             self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
         # llama.cpp's own expert cache (policies.cache.LlamaMoeCacheLRU) runs in the engine itself
-        # (patch 0023): each layer uploads its misses into LRU slots; the session sends no plans
-        self._native_cache = bool(self.policy.readback_max_tokens) and not getattr(self.policy, "per_layer", False)
-        if self._native_cache and self.policy.name != "llama-moe-cache-lru":
+        # (patch 0023): each layer uploads its misses into LRU slots; spac's miss rule
+        # (policies.cache.ReuseCredited, patch 0031) decides each miss in a gate after the router.
+        # The session sends no plans to either
+        native_cache = bool(self.policy.readback_max_tokens) and not getattr(self.policy, "per_layer", False)
+        miss_gate = self.policy.gate_readback
+        self._engine_places = native_cache or miss_gate
+        if native_cache and self.policy.name != "llama-moe-cache-lru":
             raise ValueError(f"policy {self.policy.name}: the engine runs llama.cpp's cache with its plain LRU "
                              "and no CPU share only (llama-moe-cache-lru); the other rules are the simulator's")
         try:
             engine_args = dict(no_evict=cfg.ablations.no_evict or not self.policy.evicts, stream_prefill=cfg.stream_prefill.resolve(cfg.pool[0]),
-                               upload_on_miss_tokens=self.policy.readback_max_tokens if self._native_cache else 0,
-                               pin_mapping=cfg.pin_mapping)
+                               upload_on_miss_tokens=self.policy.readback_max_tokens if native_cache else 0,
+                               miss_gate_tokens=MISS_MAX_TOKENS if miss_gate else 0, pin_mapping=cfg.pin_mapping)
             if len(cfg.pool) > 1:  # one pool per device, on the layers llama.cpp placed there
                 n = self.target.n_layer
                 layers = pool_layer_ranges(model_layer_devices(self.target.ptr, n), [d.name for d in cfg.pool],
@@ -332,7 +338,7 @@ class Session:
         self.routing = Routing(self.ctx.ptr, self.engine.n_expert_used)
         self._open_draft_routing()
         lookahead = self.draft_routing is not None or self.policy.draft_optional
-        if ((self.policy.miss != "cpu" and not self._native_cache) or (self.policy.uses_draft_routing and not lookahead)
+        if ((self.policy.miss != "cpu" and not self._engine_places) or (self.policy.uses_draft_routing and not lookahead)
                 or self.policy.needs_future):
             raise ValueError(f"policy {self.policy.name!r} cannot drive the live engine (it computes misses "
                              "on the host, from the target's routing and an MoE draft's)")
@@ -371,7 +377,11 @@ class Session:
                             budget=",".join(str(d.budget.nbytes or d.budget.ratio) for d in cfg.pool),
                             gamma=self.gamma, k_max=cfg.k_max,
                             draft_kind=self.draft_kind.value if self.draft_kind in (DraftKind.POOL, DraftKind.MTP) else "")
-        self.calibration = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
+        self.calibration = cal = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
+        if self.policy.gate_readback:  # spac's miss rule decides on the measured unit costs
+            self.engine.set_miss_costs(MissCosts(
+                upload_s=cal.t_io_unit, sync_s=0.0, horizon_tokens=getattr(self.policy, "horizon", 0.0),
+                host_s=lambda n: n * cal.t_cpu_unit, device_s=lambda n: n * cal.t_gpu_unit))
         self._plan_sent = self._plan_in_force = None
         # initial placement, with the calibration as the first measurement
         self._send(self.policy.plan(None, self._resident(), self.calibration.feedback()))
@@ -591,7 +601,7 @@ class Session:
         # the cache now holds what it held before the pass plus the accepted drafts and the pass's first token
         routing = StepRouting(selected=ids.transpose(1, 0, 2), weights=weights.transpose(1, 0, 2),
                               n_drafted=n_drafted, n_accepted=n_accepted, position=self.ctx.n_past - n_accepted - 1)
-        if not self._native_cache:  # with it, the engine's LRU decides at each layer: nothing to plan
+        if not self._engine_places:  # the engine decides at each layer: nothing to plan
             self._plan_step(routing, draft_s, verify_s, t0)
         if self.on_step is not None:
             self.on_step(StepRouting(selected=routing.selected.copy(), weights=routing.weights.copy(),
@@ -617,7 +627,7 @@ class Session:
         return self.engine.residency() >= 0
 
     def _send(self, plan: Plan) -> None:
-        if self._native_cache:
+        if self._engine_places:
             return
         if plan is not self._plan_sent:  # a static plan is sent once
             self.engine.set_plan(plan)
