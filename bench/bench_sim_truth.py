@@ -72,8 +72,10 @@ DEFAULT_TARGET = ROOT / "runs" / "mb" / "olmoe-bytes-f16.gguf"
 DEFAULT_DRAFT = MODELS_DIR / "spac-tiny-moe-q4_0.gguf"
 BUDGETS = (0.25, 0.5)
 # live name → the simulator's policy of the same class; llama-moe-cache: llama.cpp's own expert cache
-# in spac's engine (patch 0023: its plain LRU, llama-moe-cache-lru), on request (--policies)
-POLICIES = {"static": "static", "spac": "spac/host", "llama-moe-cache": "llama-moe-cache-lru"}
+# in spac's engine (patch 0023: its plain LRU, llama-moe-cache-lru), spac-reuse: spac's miss rule
+# (patch 0031: each miss uploaded, on the host or streamed, decided after the router), on request (--policies)
+POLICIES = {"static": "static", "spac": "spac/host", "llama-moe-cache": "llama-moe-cache-lru", "spac-reuse": "spac-reuse"}
+IN_PASS_COPIES = ("llama-moe-cache", "spac-reuse")  # their copies are made inside the pass (n_staged)
 DEFAULT_POLICIES = ("static", "spac")
 
 
@@ -140,10 +142,15 @@ class Row:
         return sum(r.sim[key] for r in self.runs)
 
 
-def machine_cpu_seconds() -> float:
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds the machine's processes used, CPU seconds the hypervisor gave other guests): a
+    virtual machine whose host is busy runs slower with no process of its own to show for it."""
     with open("/proc/stat") as f:
-        fields_ = f.readline().split()[1:]
-    return sum(int(x) for i, x in enumerate(fields_) if i not in (3, 4)) / os.sysconf("SC_CLK_TCK")
+        fields_ = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    steal = fields_[7] if len(fields_) > 7 else 0
+    # user nice system (idle iowait) irq softirq (steal; guest time is in user already)
+    return sum(fields_[i] for i in (0, 1, 2, 5, 6) if i < len(fields_)) / tick, steal / tick
 
 
 def own_cpu_seconds() -> float:
@@ -169,7 +176,7 @@ def pin_compute_units() -> str:
     return f"host on CPU {cpus[0]}, RPC server on CPU {cpus[1]}"
 
 
-def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path) -> Run:
+def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path, profile: Path) -> Run:
     """One configuration: open, warm up, generate every prompt greedily, record the trace."""
     from orchestrator.policies.default import LookaheadUtility
     from orchestrator.policies.static import StaticPlacement
@@ -181,11 +188,13 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     cfg = SessionConfig(model=target, draft=draft if row.speculative else None, gamma=args.draft_max,
                         n_ctx=args.ctx_size, n_threads=args.threads, n_gpu_layers=-1, expert_engine=True,
                         pool=(PoolDevice(device or "CPU", Budget(ratio=row.budget)),), calibration_cache=cache, mmap=args.mmap)
-    from orchestrator.policies.cache import LlamaMoeCacheLRU
+    from orchestrator.policies.cache import LlamaMoeCacheLRU, ReuseCredited
 
-    policy = {"static": StaticPlacement, "llama-moe-cache": LlamaMoeCacheLRU}.get(
+    policy = {"static": StaticPlacement, "llama-moe-cache": LlamaMoeCacheLRU, "spac-reuse": ReuseCredited}.get(
         row.policy, lambda: LookaheadUtility(miss="cpu"))()  # spac: the session's default
     with Session(cfg, policy=policy) as s:
+        if row.policy == "spac-reuse":
+            s.engine.set_miss_costs(profile_miss_costs(row, profile, target, draft))
         s.complete(WARM_UP, max_tokens=16)
         eng = s.engine
         # timing starts once the pool holds the warm-up's plan, as the simulator's does (its
@@ -202,7 +211,7 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
             s.reset()
             staged = eng.stats()["n_staged"]
             c = s.complete(prompt, max_tokens=args.n, sampling=SamplingParams(temperature=0.0))
-            if row.policy == "llama-moe-cache":  # its copies are the uploads on miss (patch 0023)
+            if row.policy in IN_PASS_COPIES:  # its copies are the uploads on miss (patches 0023, 0031)
                 run.copies += int(eng.stats()["n_staged"] - staged)
             run.tokens += c.metrics.n_tokens
             run.seconds += c.metrics.decode_s
@@ -215,19 +224,38 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     return run
 
 
-def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
-    """Replay each run's trace with the measured profile, the same policy and slot count."""
-    from orchestrator.policies import make_policy
+def sim_config(row: Row, profile: Path, target: Path, draft: Path):
+    """The simulator's setting of a row: the measured profile, the target (and its draft), the slots."""
     from orchestrator.sim import profiles
-    from orchestrator.sim.simulator import SimConfig, Simulator
+    from orchestrator.sim.simulator import SimConfig
 
     tprof, quant = profiles.from_gguf(target)
     dkey, dquant = None, "Q8_0"
     if row.speculative:
         dprof, dquant = profiles.from_gguf(draft, draft=True)
         dkey = profiles.register(dprof)
-    config = SimConfig(hardware=str(profile), model=profiles.register(tprof), draft=dkey, quant=quant,
-                       draft_quant=dquant, capacity=row.n_slots)
+    return SimConfig(hardware=str(profile), model=profiles.register(tprof), draft=dkey, quant=quant,
+                     draft_quant=dquant, capacity=row.n_slots)
+
+
+def profile_miss_costs(row: Row, profile: Path, target: Path, draft: Path):
+    """spac's miss rule on the profile's costs, the ones the replay decides by (the session's own
+    are its calibration's unit costs): the live row then makes the choices the prediction models,
+    so that only the cost model is under test."""
+    from orchestrator.policies.cache import ReuseCredited
+    from orchestrator.runtime.native import MissCosts
+
+    c = sim_config(row, profile, target, draft).costs()
+    return MissCosts(upload_s=c.transfer_s, sync_s=c.sync_s, horizon_tokens=ReuseCredited().horizon,
+                     host_s=c.cpu_expert_s, device_s=c.gpu_expert_s)
+
+
+def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
+    """Replay each run's trace with the measured profile, the same policy and slot count."""
+    from orchestrator.policies import make_policy
+    from orchestrator.sim.simulator import Simulator
+
+    config = sim_config(row, profile, target, draft)
     for run in row.runs:
         sim = Simulator(run.trace, config)
         r = sim.run(make_policy(POLICIES[row.policy]))
@@ -359,7 +387,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                    help=f"live policies, of {', '.join(POLICIES)} (llama-moe-cache: llama.cpp's cache, patch 0023)")
+                    help=f"live policies, of {', '.join(POLICIES)} (llama-moe-cache: llama.cpp's cache, patch 0023; "
+                         "spac-reuse: spac's miss rule, patch 0031)")
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3,
                     help="live runs of every row, interleaved (their spread decides which rows differ)")
@@ -396,7 +425,7 @@ def main() -> None:
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     load0 = os.getloadavg()
-    cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    (cpu0, steal0), own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
     policies = [p.strip() for p in args.policies.split(",")]
     if unknown := [p for p in policies if p not in POLICIES]:
         sys.exit(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(POLICIES)}")
@@ -421,14 +450,14 @@ def main() -> None:
         for repeat in range(args.repeats):
             for row in rows:
                 t = time.monotonic()
-                run = run_live(row, target, draft, device, args, tmp / "calibration.json")
+                run = run_live(row, target, draft, device, args, tmp / "calibration.json", profile)
                 print(f"  live {row.name}, run {repeat + 1}/{args.repeats}: {run.measured:.2f} tok/s "
                       f"({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
         if args.keep:
             keep(args.keep, rows, profile, overlap, target, draft)
         wall = time.monotonic() - t0
         load1 = os.getloadavg()
-        cpu1, own_before = machine_cpu_seconds(), own_cpu_seconds()
+        (cpu1, steal1), own_before = machine_cpu_seconds(), own_cpu_seconds()
         for row in rows:
             predict(row, profile, target, draft)
         predicting = own_cpu_seconds() - own_before
@@ -439,7 +468,8 @@ def main() -> None:
     n_cpu = os.cpu_count() or 1
     report(rows, overlap, args, command, target, draft, prof,
            machine=f"{cpu_name()}, {n_cpu} cores, {pinned}; load average {load0[0]:.2f} at start, {load1[0]:.2f} at the end; "
-                   f"other processes used {max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run")
+                   f"other processes used {max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run; "
+                   f"the hypervisor took {steal1 - steal0:.0f} CPU-s ({(steal1 - steal0) / (wall * n_cpu):.0%}, steal time)")
 
 
 def report(rows: list[Row], overlap: list, args, command: str, target: Path, draft: Path, prof, machine: str) -> None:

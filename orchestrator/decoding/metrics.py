@@ -85,6 +85,8 @@ class RunMetrics:
             parts.append(f"{_bytes(self.bytes_copied)} copied")
             if self.per_device and len(self.per_device) > 1:
                 parts[-1] += " (" + ", ".join(f"{d['device']} {_bytes(d['bytes_copied'])}" for d in self.per_device) + ")"
+            if self.bytes_staged:  # copied inside the passes: a streamed prompt's, or uploads on miss
+                parts.append(f"{_bytes(self.bytes_staged)} staged")
         if self.hot_cold_accuracy is not None:
             parts.append(f"hot/cold acc {self.hot_cold_accuracy:.2f}")
         if self.stop_reason:

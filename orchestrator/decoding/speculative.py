@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -57,6 +58,7 @@ from orchestrator.runtime.native import (MISS_MAX_TOKENS, ExpertsOnDisk, ExpertE
 from orchestrator.runtime.placement import PlacementError, pool_layer_ranges
 from orchestrator.runtime.pool import DEFAULT_BUDGET_RATIO, Budget, PoolDevice, StreamPrefill
 from orchestrator.policies.base import Feedback, Policy, PolicyContext, observe
+from orchestrator.policies.cache import ReuseCredited
 from orchestrator.policies.default import LookaheadUtility
 from orchestrator.policies.plan import Plan, StepRouting
 from orchestrator.policies.spac import Ablations, MoESpAc
@@ -64,11 +66,28 @@ from orchestrator.policies.spac import Ablations, MoESpAc
 
 # ----------------------------------------------------------------------------- policy
 
-def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1) -> Policy:
+class MissRule(str, Enum):
+    """--miss-rule: where a pass computes a routed expert the pool lacks. HOST: on the host, the
+    pool following the plan made after each step. REUSE: decided at each MoE layer once its router
+    has run (patch 0031): uploaded, computed on the host or streamed once, by the measured costs and
+    the expert's reuse (`policies.cache.ReuseCredited`); the pool is then a cache and gets no plans."""
+
+    HOST = "host"
+    REUSE = "reuse"
+
+
+def spac_policy(ablations: Ablations, k_max: int = 4, lam: float = 0.1, miss_rule: MissRule = MissRule.HOST) -> Policy:
     """The default policy: spac's learned utility with the draft's lookahead (`policies.default`;
     misses on the host, as the engine computes them). With one of the paper's ablation switches:
-    MoE-SpAc as written (estimator + balancer), with that switch."""
-    if not (set(ablations.names()) - {"no_sd"}):
+    MoE-SpAc as written (estimator + balancer), with that switch. `MissRule.REUSE`: spac's miss
+    rule instead, which takes no switch but --no-sd."""
+    switches = sorted(set(ablations.names()) - {"no_sd"})
+    if miss_rule is MissRule.REUSE:
+        if switches:
+            raise ValueError(f"--miss-rule reuse decides every miss in the pass and makes no plan: it takes no "
+                             f"{', '.join('--' + s.replace('_', '-') for s in switches)}")
+        return ReuseCredited()
+    if not switches:
         return LookaheadUtility(miss="cpu")
     return MoESpAc(k_max=k_max, lam=lam, **ablations.policy_flags())
 
@@ -128,6 +147,10 @@ class SessionConfig:
         "on --device CPU)"))
     tensor_split: tuple[float, ...] = ()  # llama.cpp's --tensor-split over the pool's devices (() = by free memory)
     ablations: Ablations = field(default_factory=Ablations)
+    miss_rule: MissRule = option("--miss-rule", default=MissRule.HOST, cli_type=str, check=one_of(MissRule), help=(
+        "where a pass computes an expert the pool lacks: host (on the host; the pool follows the plan made after "
+        "each step), reuse (decided at each layer once its router has run: uploaded into a slot, computed on the "
+        "host or streamed once, by the measured costs and how often the expert is used; the pool is a cache)"))
     # batches of up to EXACT_ROWS tokens (gamma + 1 if larger) computed row by row as one token
     # is (ggml-cpu's batch-invariant mode, patch 0022): verify passes give exactly the one-token logits
     exact: bool = option("--exact/--no-exact", default=True, help=(
@@ -165,6 +188,7 @@ class SessionConfig:
         self.draft = Draft.of(self.draft)
         self.repack = Repack.of(self.repack)
         self.stream_prefill = StreamPrefill(self.stream_prefill)  # AUTO is resolved where the pool opens
+        self.miss_rule = MissRule(self.miss_rule)
 
 
 @dataclass
@@ -303,7 +327,7 @@ class Session:
 
     def _open_engine(self, cfg: SessionConfig) -> None:
         if self.policy is None:
-            self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam)
+            self.policy = spac_policy(cfg.ablations, cfg.k_max, cfg.lam, cfg.miss_rule)
         # llama.cpp's own expert cache (policies.cache.LlamaMoeCacheLRU) runs in the engine itself
         # (patch 0023): each layer uploads its misses into LRU slots; spac's miss rule
         # (policies.cache.ReuseCredited, patch 0031) decides each miss in a gate after the router.
