@@ -15,7 +15,9 @@
    written to runs/mb/ if missing) with the shipped Q4_0 self-draft, every layer's non-expert
    weights on the RPC device (-ngl 99) and the expert pool on it, greedy, the same prompts for
    every row; rows = pool budget 25% and 50% × static placement (llama.cpp's --n-cpu-moe) and
-   spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive. Each
+   spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive (--policies
+   adds llama.cpp's cache, patch 0023, and spac's miss rule, patch 0031, which then decides on the
+   profile's costs, as its replay does). Each
    row records its routing trace (`orchestrator.cli.record`'s writer on the session) and its decode
    tok/s (prefill excluded), summed over the prompts, timed once the pool holds the warm-up's plan
    (the simulator places its first plan for free).
