@@ -10,8 +10,9 @@ Amortization Roofline objective of the paper:
     γ*   = argmax_γ E(γ) / T(γ)
 
 - p_i: the probability that draft i is accepted given drafts 1..i−1 were (MoE-SpeQ Eq. 2),
-  from decayed counts of what the verify passes accepted, shrunk towards the geometric rate α
-  for positions that are seldom reached (a short γ never observes p_8).
+  from decayed counts of what the verify passes accepted, each shrunk towards p_{i−1} (p_1
+  towards the geometric rate α) for positions that are seldom reached (a short γ never observes
+  p_8): where acceptance is not geometric, the later positions follow the last one measured.
 - t_draft: measured seconds per drafted token (the draft is cheap and linear in γ).
 - T_verify(n): measured seconds of the verify pass of n tokens (the median of the last few
   measurements of that size, so a passing load spike does not count much): the roofline of
@@ -206,10 +207,15 @@ class Governor:
         return np.array(self._acceptance())
 
     def _acceptance(self) -> list[float]:
+        # each p_i shrunk towards the one before it (p_1 towards α): a position seldom reached is
+        # taken to be like the last one measured. Where acceptance is geometric that is α again;
+        # where it is not (a self-draft agrees for long runs or fails early: p_1 low, the later
+        # p_i high), α would undercount what a long draft brings
         k = self.cfg.prior_weight
-        ka = k * self.alpha
-        p = [(s + ka) / (t + k) for s, t in zip(self.succ, self.tried)]
-        p[0] = 1.0
+        p, prior = [1.0], self.alpha
+        for s, t in zip(self.succ[1:], self.tried[1:]):
+            prior = (s + k * prior) / (t + k)
+            p.append(prior)
         return p
 
     def expected_tokens(self) -> np.ndarray:
