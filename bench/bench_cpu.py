@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_live import machine_cpu_seconds, own_cpu_seconds, stock_program  # noqa: E402
+from bench_live import machine_cpu_seconds, own_cpu_seconds, steal_seconds, stock_program  # noqa: E402
 from build_native import ik_program  # noqa: E402  (scripts/, on the path through bench_live)
 
 from orchestrator.runtime.host_layout import cpu_model_and_flags  # noqa: E402
@@ -246,7 +246,7 @@ def main() -> None:
         peers |= {"ik -rtr 0 -fmoe 1": (ik, ["-rtr", "0", "-fmoe", "1"]), "ik -rtr 1 -fmoe 1": (ik, ["-rtr", "1", "-fmoe", "1"])}
     print(f"threads {args.threads}, pp {args.n_prompt}, tg {args.n_gen}, median of {args.repeats}; "
           f"spac --repack {args.spac_repack}", flush=True)
-    machine0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    machine0, own0, steal0, t0 = machine_cpu_seconds(), own_cpu_seconds(), steal_seconds(), time.monotonic()
     results = []
     for f in files:
         runs: dict[str, list[dict]] = {name: [] for name in [*peers, "spac"]}
@@ -280,6 +280,7 @@ def main() -> None:
               + f" (tg/pp tok/s); spac layout: {row['spac_layout']}", flush=True)
     wall = time.monotonic() - t0
     other = machine_cpu_seconds() - machine0 - (own_cpu_seconds() - own0)
+    steal = steal_seconds() - steal0
     print()
     ik_names = [k for k in peers if k.startswith("ik")]
     print("| file | llama.cpp --repack 0 tg / pp | --repack 1 (default) tg / pp | "
@@ -298,7 +299,8 @@ def main() -> None:
               f"{r['spac_vs_best']['tg']:.3f} / {r['spac_vs_best']['pp']:.3f} | {vs_ik}{r['rss_vs_default']:.3f} |")
     # children are timed as their own processes: what is not ours or theirs is the machine's other load
     print(f"\nwall {wall:.0f} s; other processes used {max(other, 0.0):.1f} CPU s "
-          f"({100 * max(other, 0.0) / (wall * (os.cpu_count() or 1)):.1f}% of the machine)")
+          f"({100 * max(other, 0.0) / (wall * (os.cpu_count() or 1)):.1f}% of the machine); the hypervisor took "
+          f"{steal:.1f} CPU s ({100 * steal / (wall * (os.cpu_count() or 1)):.1f}%, steal time)")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_description(), "decode_rates": rates, "rows": results}, indent=1) + "\n")
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import memory_cgroup  # noqa: E402
 from bench_cpu import cpu_description  # noqa: E402
-from bench_live import stock_program  # noqa: E402
+from bench_live import steal_seconds, stock_program  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -323,13 +323,6 @@ def user_cpu_seconds() -> dict[int, float]:
             continue
         out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
-
-
-def steal_seconds() -> float:
-    """CPU seconds the hypervisor gave other guests (/proc/stat's steal, all CPUs): a virtual machine
-    whose host is busy runs slower with no process of its own to show for it."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
 def main() -> None:

@@ -161,12 +161,23 @@ def rpc_rows(common: dict, draft: Path, gamma: int, n: int, device: str, cache_d
 
 # ------------------------------------------------------------------------------ the run
 
-def machine_cpu_seconds() -> float:
-    """CPU seconds (all processes, all cores) spent so far, from /proc/stat."""
+def _cpu_ticks() -> list[int]:
     with open("/proc/stat") as f:
-        fields = f.readline().split()[1:]
-    busy = sum(int(x) for i, x in enumerate(fields) if i not in (3, 4))  # all but idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK")
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds (all processes, all cores) spent so far, from /proc/stat: user, nice, system, irq
+    and softirq (not idle, iowait or the hypervisor's steal; guest time is counted in user)."""
+    ticks = _cpu_ticks()
+    return sum(ticks[i] for i in (0, 1, 2, 5, 6) if i < len(ticks)) / os.sysconf("SC_CLK_TCK")
+
+
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor gave other guests (/proc/stat's steal, all CPUs): a virtual machine
+    whose host is busy runs slower with no process of its own to show for it."""
+    ticks = _cpu_ticks()
+    return ticks[7] / os.sysconf("SC_CLK_TCK") if len(ticks) > 7 else 0.0
 
 
 def own_cpu_seconds() -> float:
@@ -262,10 +273,11 @@ def main() -> None:
             cache = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             rows += rpc_rows(common, draft, args.draft_max, n, device, cache)
         load0 = os.getloadavg()
-        cpu0, own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+        cpu0, own0, steal0, t0 = machine_cpu_seconds(), own_cpu_seconds(), steal_seconds(), time.monotonic()
         run_rows(rows, PROMPTS[:args.prompts])
         wall = time.monotonic() - t0
     other = (machine_cpu_seconds() - cpu0) - (own_cpu_seconds() - own0)
+    steal = steal_seconds() - steal0
     n_cpu = os.cpu_count() or 1
 
     print(f"target {target.name}, draft {draft.name}, {args.prompts} prompts × {n} tokens, "
@@ -273,7 +285,8 @@ def main() -> None:
     print(table(rows, peer))
     print(f"machine: {n_cpu} cores; load average at start {load0[0]:.2f}; other processes used "
           f"{max(other, 0):.0f} CPU-s of {wall * n_cpu:.0f} during the {wall:.0f} s run "
-          f"({100 * max(other, 0) / (wall * n_cpu):.0f}%)")
+          f"({100 * max(other, 0) / (wall * n_cpu):.0f}%); the hypervisor took {steal:.0f} CPU-s "
+          f"({100 * steal / (wall * n_cpu):.0f}%, steal time)")
     problems = check_outputs(rows)
     print("outputs: every spac row identical to autoregressive" + ("; llama.cpp's starts with it" if peer else "")
           if not problems else "OUTPUT MISMATCH:\n  " + "\n  ".join(problems))

@@ -65,6 +65,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_live import machine_cpu_seconds, own_cpu_seconds, steal_seconds  # noqa: E402
 from orchestrator.shipped_models import MODELS_DIR  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
@@ -142,24 +145,6 @@ class Row:
 
     def sim_total(self, key: str):
         return sum(r.sim[key] for r in self.runs)
-
-
-def machine_cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds the machine's processes used, CPU seconds the hypervisor gave other guests): a
-    virtual machine whose host is busy runs slower with no process of its own to show for it."""
-    with open("/proc/stat") as f:
-        fields_ = [int(x) for x in f.readline().split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    steal = fields_[7] if len(fields_) > 7 else 0
-    # user nice system (idle iowait) irq softirq (steal; guest time is in user already)
-    return sum(fields_[i] for i in (0, 1, 2, 5, 6) if i < len(fields_)) / tick, steal / tick
-
-
-def own_cpu_seconds() -> float:
-    import resource
-
-    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
 def pin_compute_units() -> str:
@@ -273,7 +258,6 @@ def overlap_rows(device: str, tmp: Path, repeats: int) -> list[dict]:
     predicted from a profile measured on the same file in that layout."""
     import numpy as np
 
-    sys.path.insert(0, str(ROOT / "bench"))
     import bench_overlap as bo
 
     from orchestrator.runtime.llm import Model
@@ -427,7 +411,7 @@ def main() -> None:
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     load0 = os.getloadavg()
-    (cpu0, steal0), own0, t0 = machine_cpu_seconds(), own_cpu_seconds(), time.monotonic()
+    cpu0, steal0, own0, t0 = machine_cpu_seconds(), steal_seconds(), own_cpu_seconds(), time.monotonic()
     policies = [p.strip() for p in args.policies.split(",")]
     if unknown := [p for p in policies if p not in POLICIES]:
         sys.exit(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(POLICIES)}")
@@ -459,7 +443,7 @@ def main() -> None:
             keep(args.keep, rows, profile, overlap, target, draft)
         wall = time.monotonic() - t0
         load1 = os.getloadavg()
-        (cpu1, steal1), own_before = machine_cpu_seconds(), own_cpu_seconds()
+        cpu1, steal1, own_before = machine_cpu_seconds(), steal_seconds(), own_cpu_seconds()
         for row in rows:
             predict(row, profile, target, draft)
         predicting = own_cpu_seconds() - own_before
