@@ -432,11 +432,7 @@ void llama_expert_pool::fill_maps(int32_t * cpu, int32_t * dev_map, uint32_t n_t
     if (!draft && gates_misses(n_tokens)) {
         // the gates' uploads go through the stage queue, layer by layer; the ClassLRU's clock
         // advances by the ubatch's tokens
-        stage_queue.clear();
-        cv_stage.wait(lk, [&] { return !staging; });
-        stage_keys.assign(n_moe_layers(), {});
-        stage_slots.assign(n_moe_layers(), {});
-        stage_done = first_moe;
+        begin_stages(lk);
         token_clock += n_tokens;
     }
     const int32_t P = n_map_positions;
@@ -518,14 +514,19 @@ void llama_expert_pool::on_draft_synchronized() {
     unfreeze(FROZEN_DRAFT);
 }
 
-void llama_expert_pool::fill_stage_maps(int32_t * map, uint32_t n_tokens) {
-    std::unique_lock<std::mutex> lk(mtx);
+void llama_expert_pool::begin_stages(std::unique_lock<std::mutex> & lk) {
     // requests an interrupted ubatch left are dropped; a copy in flight lands first
     stage_queue.clear();
     cv_stage.wait(lk, [&] { return !staging; });
-    caching = caches(n_tokens);
     stage_keys.assign(n_moe_layers(), {});
     stage_slots.assign(n_moe_layers(), {});
+    stage_done = first_moe;
+}
+
+void llama_expert_pool::fill_stage_maps(int32_t * map, uint32_t n_tokens) {
+    std::unique_lock<std::mutex> lk(mtx);
+    begin_stages(lk);
+    caching = caches(n_tokens);
     last_dev_map.resize(slot_of.size());
     for (int32_t m = first_moe; m < end_moe; ++m) {
         group & g = groups[layer_group[m]];
@@ -546,7 +547,6 @@ void llama_expert_pool::fill_stage_maps(int32_t * map, uint32_t n_tokens) {
         }
     }
     last_split_pending = true;
-    stage_done = first_moe;
     // the first two layers take the two buffers, after whatever the device still has to do
     // (SPAC_STREAM_USED: each layer's gate asks once its router has run)
     for (int32_t m = first_moe; m < (stages_used_only(n_tokens) ? first_moe : std::min<int32_t>(first_moe + 2, end_moe)); ++m) {
@@ -663,9 +663,7 @@ int32_t llama_expert_pool::lru_slot(group & g, int32_t m, const std::vector<uint
         }
     }
     if (best >= 0) {
-        slot_of[g.owner[best]] = -1;
-        g.owner[best] = -1;
-        stats.n_evictions++;
+        evict(g, best);
     }
     return best;
 }
@@ -706,9 +704,7 @@ int32_t llama_expert_pool::class_lru_slot(group & g, int32_t m, const std::vecto
         }
     }
     if (best >= 0) {
-        slot_of[g.owner[best]] = -1;
-        g.owner[best] = -1;
-        stats.n_evictions++;
+        evict(g, best);
     }
     return best;
 }
@@ -1008,6 +1004,12 @@ void llama_expert_pool::retry_refused() {
     }
 }
 
+void llama_expert_pool::evict(group & g, int32_t slot) {
+    slot_of[g.owner[slot]] = -1;
+    g.owner[slot] = -1;
+    stats.n_evictions++;
+}
+
 int32_t llama_expert_pool::take_free_slot(group & g) {
     if (g.free_slots.empty()) {
         return -1;
@@ -1052,9 +1054,7 @@ int32_t llama_expert_pool::pick_slot(group & g, int32_t key) {
         }
         return -1;
     }
-    slot_of[victim] = -1;
-    g.owner[best] = -1;
-    stats.n_evictions++;
+    evict(g, best);
     return best;
 }
 

@@ -177,6 +177,8 @@ private:
     int32_t pick_slot(group & g, int32_t key); // free slot, else a victim; -1 when none may go
     int32_t lru_slot(group & g, int32_t m, const std::vector<uint8_t> & chosen); // a cached ubatch's miss: free slot, else the LRU one not chosen by layer m; -1
     int32_t take_free_slot(group & g);         // a free slot, taken; -1 when none
+    void    evict(group & g, int32_t slot);    // its expert leaves the pool (the slot is then unowned)
+    void    begin_stages(std::unique_lock<std::mutex> & lk); // a staged ubatch starts: the stage queue emptied
     int32_t class_lru_slot(group & g, int32_t m, const std::vector<int32_t> & count); // the miss rule's: free, else ClassLRU's victim; -1
     void    count_uses(int32_t m, const std::vector<int32_t> & count); // the ClassLRU's decayed use counts
     // the ClassLRU's clock at MoE layer m: the layers of a ubatch in order within its tokens, as the
