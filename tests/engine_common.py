@@ -79,3 +79,24 @@ def rpc_main(check, n_devices: int = 1) -> None:
     named = os.environ.get("SPAC_TEST_DEVICE")
     with rpc_devices(n_devices) if not named else contextlib.nullcontext(named.split(",")) as devices:
         check(devices[0] if n_devices == 1 else devices, Path(sys.argv[1]))
+
+
+def session_engine_stats(model_path, tmp_path: Path, make_policy) -> list[dict]:
+    """A session with a 25% CPU pool run by `make_policy()`, without a draft and with the pool
+    draft (γ 4): each gives target-only's 24 greedy tokens (asserted); their engines' stats."""
+    from orchestrator.decoding.sampling import SamplingParams
+    from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
+    from orchestrator.runtime.pool import Budget, PoolDevice
+
+    greedy = SamplingParams(temperature=0)
+    base = dict(model=model_path, n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
+    prompt = [1, 2, 3, 4, 5, 6]
+    with Session(SessionConfig(**base, expert_engine=False)) as plain:
+        want = plain.complete(prompt, 24, sampling=greedy).tokens
+    stats = []
+    for draft in (None, POOL_DRAFT):
+        cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
+        with Session(cfg, policy=make_policy()) as s:
+            assert s.complete(prompt, 24, sampling=greedy).tokens == want, f"draft {draft}"
+            stats.append(s.engine.stats())
+    return stats

@@ -13,7 +13,7 @@ from orchestrator.runtime.llm import Context, Model
 from orchestrator.runtime.native import ExpertEngine, MissCosts, engine_built
 from orchestrator.gguf_files.gguf_export import make_random_model
 
-from engine_common import decode_runs, model_config
+from engine_common import decode_runs, model_config, session_engine_stats
 
 pytestmark = pytest.mark.skipif(not engine_built(), reason="native engine not built")
 GATE_TOKENS = 32
@@ -145,19 +145,7 @@ def test_a_session_with_spacs_miss_rule_gives_target_only_tokens(models, tmp_pat
     """`Session(cfg, policy=ReuseCredited())`: the rule live on the calibrated costs, speculative (the
     Q4_K_M target drafting for itself through its pool) and not, gives target-only's greedy tokens;
     the gates decided every miss of the passes and no plan was sent."""
-    from orchestrator.decoding.sampling import SamplingParams
-    from orchestrator.decoding.speculative import POOL_DRAFT, Session, SessionConfig
     from orchestrator.policies.cache import ReuseCredited
-    from orchestrator.runtime.pool import Budget, PoolDevice
 
-    greedy = SamplingParams(temperature=0)
-    base = dict(model=models["q4_k_m"], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json")
-    prompt = [1, 2, 3, 4, 5, 6]
-    with Session(SessionConfig(**base, expert_engine=False)) as plain:
-        want = plain.complete(prompt, 24, sampling=greedy).tokens
-    for draft in (None, POOL_DRAFT):
-        cfg = SessionConfig(**base, draft=draft, gamma=4, adaptive_gamma=False, pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
-        with Session(cfg, policy=ReuseCredited()) as s:
-            assert s.complete(prompt, 24, sampling=greedy).tokens == want
-            st = s.engine.stats()
-            assert st["n_gate_host"] + st["n_gate_uploads"] + st["n_gate_streamed"] > 0 and st["n_copies"] == 0
+    for st in session_engine_stats(models["q4_k_m"], tmp_path, ReuseCredited):
+        assert st["n_gate_host"] + st["n_gate_uploads"] + st["n_gate_streamed"] > 0 and st["n_copies"] == 0
