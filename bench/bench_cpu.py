@@ -101,7 +101,7 @@ def decode_rates(path: Path, threads: int) -> list[dict]:
     import gguf
 
     from orchestrator.decoding.speculative import EXACT_ROWS
-    from orchestrator.runtime import host_layout
+    from orchestrator.runtime import exact_variant, host_layout
 
     host_layout.set_batch_invariant_rows(EXACT_ROWS)
     g = host_layout._lib()
@@ -120,9 +120,15 @@ def decode_rates(path: Path, threads: int) -> list[dict]:
             if not host_layout.supports(ggml_type, shape, buft, op, n_used):
                 continue
             t = host_layout.time_matmul(ggml_type, n_in, n_out, n_expert, n_used, 1, buft, threads)
-            if t is not None:
-                rows.append({"weight": name, "type": gguf.GGMLQuantizationType(ggml_type).name, "buft": buft_name,
-                             "us": t * 1e6, "gb_s": read / t / 1e9})
+            if t is None:
+                continue
+            row = {"weight": name, "type": gguf.GGMLQuantizationType(ggml_type).name, "buft": buft_name,
+                   "us": t * 1e6, "gb_s": read / t / 1e9}
+            if n_expert and buft_name == host_layout.EXACT_BUFT:  # every variant of its one-token kernels
+                every = [exact_variant.Variant(g, p) for g in exact_variant.GROUPS for p in exact_variant.PREFETCH]
+                ms = exact_variant.time_variants(ggml_type, [(n_in, n_out, n_expert, n_used)], threads, buft, every)
+                row["variants_gb_s"] = {k: read / (v / 1e3) / 1e9 for k, v in ms.items()}
+            rows.append(row)
     return rows
 
 
@@ -206,8 +212,26 @@ def print_decode_rates(files: list[Path], threads: int) -> dict:
         for r in rows:
             print(f"| {f.name} | {r['weight']} | {r['type']} | {r['buft']} | {r['us']:.0f} | {r['gb_s']:.1f} | "
                   f"{r['gb_s'] / limit:.2f} |")
+    print_variant_rates(out["matmuls"], limit)
     print(flush=True)
     return out
+
+
+def print_variant_rates(matmuls: dict[str, list[dict]], limit: float) -> None:
+    """CPU_EXACT's one-token expert matmul under each kernel variant (groups a thread reads at once /
+    prefetch bytes; exact_variant.py), as GB/s ÷ the read rate: the best four and the default."""
+    from orchestrator.runtime.exact_variant import DEFAULT
+
+    print("\nCPU_EXACT's kernel variants, one token of experts (groups/prefetch: GB/s ÷ read rate; the best four, "
+          "then the default)")
+    print("| file | weight | best | 2nd | 3rd | 4th | default |\n|---|---|---|---|---|---|---|")
+    for name, rows in matmuls.items():
+        for r in rows:
+            if "variants_gb_s" not in r:
+                continue
+            v = sorted(r["variants_gb_s"].items(), key=lambda kv: -kv[1])
+            cells = " | ".join(f"{k}: {gb / limit:.2f}" for k, gb in v[:4])
+            print(f"| {name} | {r['weight']} | {cells} | {DEFAULT.key}: {r['variants_gb_s'][DEFAULT.key] / limit:.2f} |")
 
 
 def main() -> None:

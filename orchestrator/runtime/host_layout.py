@@ -247,14 +247,15 @@ def device_buffer_type(name: str) -> int:
 
 @contextmanager
 def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int, buft: int,
-                  n_threads: int, seed: int = 0, device: str = "CPU", copies: int = 1) -> Iterator[tuple | None]:
+                  n_threads: int, seed: int = 0, device: str = "CPU", copies: int = 1,
+                  sample_rows: int = 64) -> Iterator[tuple | None]:
     """One MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type `buft`, F32
     activations [n_in, n_used, n_tokens], n_used distinct random experts per token), or with
     n_expert = 0 one MUL_MAT (weight [n_in, n_out]), on a backend of `device` (the CPU: n_threads
     threads), its weights a few random quantized rows (seeded) repeated: yields (x, ids, out,
     graph, backend), or None where that buffer type does not take the weight. copies > 1: the
     graph computes the matmul `copies` times in a row, each reading its own copy of the weight
-    (`out` is the first's)."""
+    (`out` is the first's). sample_rows: how many distinct rows are repeated."""
     g = _lib()
     dev = _device(device)
     overhead = g["tensor_overhead"]()
@@ -285,7 +286,7 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
         # a few quantized rows repeated: the kernels' speed does not depend on the values, and
         # quantizing a whole tensor (IQ4_NL searches per block) would take longer than timing it
         rows = n_out * max(n_expert, 1)
-        sample = min(rows, 64)
+        sample = min(rows, sample_rows)
         # float32 for ggml (numpy 2 would make the quotient float64, read by ggml as garbage floats)
         src = (rng.standard_normal((sample, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in))).astype(np.float32)
         block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
@@ -344,6 +345,16 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
     from memory, not the cache (`cold_copies` copies in turn; the time is per copy); by default
     for a decode's batches (a prompt's ubatch computes long enough per weight for the read not
     to matter)."""
+    with matmul_timer(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed, cold) as timer:
+        return None if timer is None else timer(repeats)
+
+
+@contextmanager
+def matmul_timer(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
+                 buft: int, n_threads: int, seed: int = 0, cold: bool | None = None) -> Iterator:
+    """time_matmul's graph, built once: yields timer(repeats) -> seconds per matmul (a warm-up,
+    then the best of the runs), to be called as often as wanted (exact_variant.py times every
+    kernel variant on one graph), or None where the buffer type does not take the weight."""
     g = _lib()
     copies = 1
     if cold if cold is not None else n_tokens < PREFILL_MIN_TOKENS:
@@ -355,41 +366,63 @@ def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: in
     with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed,
                        copies=copies) as built:
         if built is None:
-            return None
+            yield None
+            return
         _, _, _, graph, backend = built
-        t = time.perf_counter()
-        g["graph_compute"](backend, graph)  # warm-up
-        first = time.perf_counter() - t
-        best = float("inf")
-        # at least `repeats`, and ~20 ms in all: a sub-millisecond matmul is noisy one run at a time
-        for _ in range(max(repeats, min(50, int(0.02 / max(first, 1e-6))))):
+
+        def timer(repeats: int = 3) -> float:
             t = time.perf_counter()
-            g["graph_compute"](backend, graph)
-            best = min(best, time.perf_counter() - t)
-        return best / copies
+            g["graph_compute"](backend, graph)  # warm-up
+            first = time.perf_counter() - t
+            best = float("inf")
+            # at least `repeats`, and ~20 ms in all: a sub-millisecond matmul is noisy one run at a time
+            for _ in range(max(repeats, min(50, int(0.02 / max(first, 1e-6))))):
+                t = time.perf_counter()
+                g["graph_compute"](backend, graph)
+                best = min(best, time.perf_counter() - t)
+            return best / copies
+
+        yield timer
 
 
 def matmul_output(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.ndarray, ids: np.ndarray | None,
-                  buft: int, n_threads: int, seed: int = 0, device: str = "CPU") -> np.ndarray | None:
+                  buft: int, n_threads: int, seed: int = 0, device: str = "CPU", sample_rows: int = 64) -> np.ndarray | None:
     """The output of `_matmul_graph`'s matmul (the weights of `seed`) for these activations
     (F32 [n_tokens, n_used, n_in]; MUL_MAT: n_used 1) and experts (int32 [n_tokens, n_used];
     None for MUL_MAT): F32 [n_tokens, n_used, n_out]. None where the buffer type does not take
     the weight. What bench/batch_invariance.py compares between batch sizes."""
+    with matmul_runner(ggml_type, n_in, n_out, n_expert, xs, ids, buft, seed, device, sample_rows) as run:
+        return None if run is None else run(n_threads)
+
+
+@contextmanager
+def matmul_runner(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.ndarray, ids: np.ndarray | None,
+                  buft: int, seed: int = 0, device: str = "CPU", sample_rows: int = 64) -> Iterator:
+    """matmul_output's graph, built once: yields run(n_threads) -> the output, to be called as often
+    as wanted (tests/test_exact_variant.py computes it under every kernel variant), or None."""
     g = _lib()
     n_tokens, n_used, _ = xs.shape
-    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, n_threads, seed, device) as built:
+    with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, 1, seed, device,
+                       sample_rows=sample_rows) as built:
         if built is None:
-            return None
+            yield None
+            return
         x, ids_t, out, graph, backend = built
         xs = np.ascontiguousarray(xs, dtype=np.float32)
         g["tensor_set"](x, xs.ctypes.data, 0, xs.nbytes)
         if ids_t:
             chosen = np.ascontiguousarray(ids, dtype=np.int32)
             g["tensor_set"](ids_t, chosen.ctypes.data, 0, chosen.nbytes)
-        g["graph_compute"](backend, graph)
-        result = np.empty((n_tokens, n_used, n_out), dtype=np.float32)
-        g["tensor_get"](out, result.ctypes.data, 0, result.nbytes)
-        return result
+
+        def run(n_threads: int) -> np.ndarray:
+            if device == "CPU":
+                g["cpu_set_n_threads"](backend, n_threads)
+            g["graph_compute"](backend, graph)
+            result = np.empty((n_tokens, n_used, n_out), dtype=np.float32)
+            g["tensor_get"](out, result.ctypes.data, 0, result.nbytes)
+            return result
+
+        yield run
 
 
 @functools.lru_cache(maxsize=4096)
@@ -483,6 +516,10 @@ class HostLayout:
     # tensors whose type's chosen layout has no kernel for the op that reads them (DeepSeek's 3-D
     # attn_k_b, MUL_MAT batched over heads): name -> the layout refused; they stay plain
     fallbacks: dict[str, str] = field(default_factory=dict)
+    # auto with experts in CPU_EXACT: its one-token kernels' variant (exact_variant.Variant.key),
+    # chosen by the times of each variant tried (ms of one token through the experts)
+    exact_variant: str | None = None
+    variant_ms: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.mode = Repack.of(self.mode)
@@ -517,7 +554,16 @@ class HostLayout:
             return f"each weight in the first of {first}llama.cpp's layouts that takes it: {placed} tensors (--repack on)"
         experts = "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
         dense = "; ".join(f"{c.type} {'plain' if c.buft == 'CPU' else c.buft} ({c.why})" for c in self.dense.values())
-        return (f"{experts}; dense weights: {dense}" if dense else experts) + fallback
+        return (f"{experts}; dense weights: {dense}" if dense else experts) + self._variant_report() + fallback
+
+    def _variant_report(self) -> str:
+        from orchestrator.runtime import exact_variant
+
+        if self.exact_variant is None:
+            return ""
+        ms, default = self.variant_ms, exact_variant.DEFAULT.key
+        gain = f", {ms[default] / ms[self.exact_variant]:.2f}x the default's" if default in ms else ""
+        return f"; {EXACT_BUFT} one-token kernels: {exact_variant.Variant.of_key(self.exact_variant)}{gain}"
 
     def plain_prefill_types(self) -> list[int]:
         """ggml types whose repacked experts read a plain twin on prefill ubatches."""
@@ -530,7 +576,8 @@ class HostLayout:
                 "dense": {k: asdict(v) for k, v in self.dense.items()},
                 "n_repacked_tensors": len(self.repacked) if self.mode is not Repack.OFF else None,
                 "placement": self.placement(), "exact": self.exact, "fallbacks": self.fallbacks,
-                "n_plain_twins": self.n_plain_twins, "experts_on_disk": self.experts_on_disk}
+                "n_plain_twins": self.n_plain_twins, "experts_on_disk": self.experts_on_disk,
+                "exact_variant": self.exact_variant, "variant_ms": self.variant_ms}
 
 
 def names_pattern(names: list[str]) -> bytes:
@@ -704,6 +751,26 @@ def first_taking(ggml_type: int, ne: list[int], op: str, n_used: int, bufts: dic
     return "CPU"
 
 
+def _choose_variant(layout: HostLayout, experts: dict[int, set], n_threads: int, bufts: dict, cached: dict,
+                    key_base: str) -> None:
+    """Under auto, the variant of CPU_EXACT's one-token kernels for the expert types placed in it,
+    timed on their shapes (`exact_variant`, cached like the layouts' times)."""
+    import gguf
+
+    from orchestrator.runtime import exact_variant
+
+    exact_types = {t: sorted(shapes) for t, shapes in experts.items()
+                   if (c := layout.types.get(gguf.GGMLQuantizationType(t).name)) and c.repack and c.buft == EXACT_BUFT}
+    if not exact_types:
+        return
+    key = f"{key_base}|variant|{sorted(exact_types.items())}"
+    if key not in cached:
+        with progress.phase(f"timing {EXACT_BUFT}'s kernel variants"):
+            cached[key] = exact_variant.measure(exact_types, n_threads, bufts[EXACT_BUFT])
+    layout.variant_ms = cached[key]
+    layout.exact_variant = exact_variant.choose(layout.variant_ms).key
+
+
 def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n_gpu_layers: int = 0,
            cache: Path | None = None, exact: bool | None = None, experts_on_disk: bool = False) -> HostLayout:
     """The host layout of the weights of the GGUF at `path` under `--repack mode`, for exact mode
@@ -808,6 +875,7 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
         gain = (plain[0] + plain[1]) / (ms[shown][0] + ms[shown][1])
         why = f"{shown}: decode {gain:.2f}x, prefill {plain[2] / ms[shown][2]:.2f}x"
         layout.dense[name] = DenseChoice(name, chosen, why, ms)
+    _choose_variant(layout, experts, n_threads, bufts, cached, key_base)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")

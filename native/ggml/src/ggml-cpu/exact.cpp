@@ -45,6 +45,7 @@
 #include "exact.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -56,6 +57,13 @@ namespace {
 
 constexpr int64_t QK    = 32;  // weights per block: the kernels' unit, a K-quant's super-block holds 8
 constexpr int64_t GROUP = 16;  // rows interleaved together
+
+// The one-token kernels' variant (ggml_cpu_exact_set_variant): how many 16-row groups a thread
+// streams at once, and how far ahead it asks for the weights. Neither changes any output's
+// operations, only how many loads are in flight, which suits each CPU's memory differently.
+constexpr int GROUPS_MAX = 8;
+std::atomic<int> gemv_groups{ 4 };
+std::atomic<int> prefetch_bytes{ 2048 };
 
 // The interleaved layout of a type, per 16-row group: a header per super-block (16 fp16 scales, and
 // for Q4_K/Q5_K/Q2_K 16 fp16 mins), then per 32-weight block a unit: per-row integer scales
@@ -430,7 +438,6 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define EXACT_KERNEL "avx512-vnni"
 constexpr int TILE_MAX = 8;  // 8 zmm of weights, one accumulator per token
-constexpr int PREFETCH_BYTES = 2048;
 #define EXACT_KERNEL_TAKES_GROUPS  // tile_simd below computes G groups itself
 
 // a table type's values offset by 128, as unsigned bytes
@@ -480,6 +487,7 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
         }
     }
     const int64_t n_sb = K / (QK * I.blocks);
+    const int ahead = T <= 2 ? prefetch_bytes.load(std::memory_order_relaxed) : 0;
     for (int64_t s = 0; s < n_sb; ++s) {
         for (int j = 0; j < I.blocks; ++j) {
             const int64_t b = s * I.blocks + j;
@@ -487,9 +495,9 @@ void tile_simd(const uint8_t * w, int64_t gstride, int64_t K, const act_row * x,
                 const uint8_t * h = w + c * gstride + s * sb_bytes;
                 const uint8_t * u = h + I.header + j * I.unit;
                 // a few tokens read the weights once, from memory: ask for them ahead
-                if constexpr (T <= 2) {
+                if (ahead > 0) {
                     for (int l = 0; l < I.unit + (j == 0 ? I.header : 0); l += 64) {
-                        _mm_prefetch((const char *) (j == 0 ? h : u) + PREFETCH_BYTES + l, _MM_HINT_T0);
+                        _mm_prefetch((const char *) (j == 0 ? h : u) + ahead + l, _MM_HINT_T0);
                     }
                 }
                 const __m512 d = row_scales<TYPE>(h);
@@ -634,11 +642,17 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
         acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     }
     const int64_t n_sb = K / (QK * I.blocks);
+    const int ahead = T <= 2 ? prefetch_bytes.load(std::memory_order_relaxed) : 0;
     for (int64_t s = 0; s < n_sb; ++s) {
         const uint8_t * hdr = w;
         w += I.header;
         for (int j = 0; j < I.blocks; ++j, w += I.unit) {
             const int64_t b = s * I.blocks + j;
+            if (ahead > 0) {  // as the AVX-512 kernel: a few tokens read the weights once, from memory
+                for (int l = 0; l < I.unit + (j == 0 ? I.header : 0); l += 64) {
+                    _mm_prefetch((const char *) (j == 0 ? hdr : w) + ahead + l, _MM_HINT_T0);
+                }
+            }
             for (int h = 0; h < 2; ++h) {
                 const __m256 d = row_scales<TYPE>(hdr, h);
                 __m256 neg_dmin = _mm256_setzero_ps();
@@ -924,16 +938,19 @@ void groups_kernel(const uint8_t * w, int64_t gstride, int64_t K, const act_row 
     }
 }
 
-// a single token's matmul takes this many groups at once
-constexpr int GEMV_GROUPS = 4;
-
+// a single token's matmul takes G groups at once (gemv_groups)
 template <ggml_type TYPE>
 void tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
-    if (G == GEMV_GROUPS && T == 1) {
-        groups_kernel<TYPE, GEMV_GROUPS, 1>(w, gstride, K, x, y);
+    if (G > 1) {
+        GGML_ASSERT(T == 1);
+        switch (G) {
+            case 2: groups_kernel<TYPE, 2, 1>(w, gstride, K, x, y); break;
+            case 4: groups_kernel<TYPE, 4, 1>(w, gstride, K, x, y); break;
+            case 8: groups_kernel<TYPE, 8, 1>(w, gstride, K, x, y); break;
+            default: GGML_ABORT("CPU_EXACT: %d groups at once", G);
+        }
         return;
     }
-    GGML_ASSERT(G == 1);
     switch (T) {
         case 1: groups_kernel<TYPE, 1, 1>(w, gstride, K, x, y); break;
         case 2: groups_kernel<TYPE, 1, 2>(w, gstride, K, x, y); break;
@@ -965,15 +982,14 @@ void run_tile(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t
     }
 }
 
-// G consecutive groups (1, or GEMV_GROUPS for a single token), gstride bytes apart, whose first
+// G consecutive groups (1, or gemv_groups for a single token), gstride bytes apart, whose first
 // row is row0, of a matrix of M rows, for n tokens: act(i) the i-th token's activation row, out(i)
 // its output row (indexed by weight row)
 template <typename Act, typename Out>
 void groups_for_tokens(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t K, int64_t n, Act act,
                        Out out, int64_t row0, int64_t M) {
     act_row x[TILE_MAX];
-    alignas(64) float y[TILE_MAX * GROUP];
-    static_assert(GEMV_GROUPS <= TILE_MAX, "y holds a tile");
+    alignas(64) float y[std::max(TILE_MAX, GROUPS_MAX) * GROUP];  // a tile's outputs, or a single token's groups
     for (int64_t i0 = 0; i0 < n; i0 += TILE_MAX) {
         const int T = (int) std::min<int64_t>(TILE_MAX, n - i0);
         for (int t = 0; t < T; ++t) {
@@ -1095,8 +1111,9 @@ class exact_traits : public ggml::cpu::tensor_traits {
         // each thread a contiguous range of groups: long runs of memory for the prefetchers
         const int64_t g0 = n_groups * params->ith / params->nth, g1 = n_groups * (params->ith + 1) / params->nth;
         const int64_t gstride = group_bytes(src0->type, K);
+        const int     groups  = gemv_groups.load(std::memory_order_relaxed);
         for (int64_t g = g0; g < g1;) {
-            const int G = !plain && n == 1 && g + GEMV_GROUPS <= g1 ? GEMV_GROUPS : 1;
+            const int G = !plain && n == 1 && g + groups <= g1 ? groups : 1;
             const uint8_t * w = group_at(src0, (const uint8_t *) src0->data, g, scratch);
             groups_for_tokens(src0->type, w, gstride, G, K, n, act, out, g * GROUP, M);
             g += G;
@@ -1147,6 +1164,7 @@ class exact_traits : public ggml::cpu::tensor_traits {
         }
         int64_t done = 0;
         const int64_t gstride = group_bytes(src0->type, K);
+        const int     groups  = gemv_groups.load(std::memory_order_relaxed);
         for (int64_t e = 0; e < n_as; ++e) {
             const int64_t n = counts[e];
             if (n == 0) {
@@ -1159,7 +1177,7 @@ class exact_traits : public ggml::cpu::tensor_traits {
             };
             const uint8_t * w0 = (const uint8_t *) src0->data + e * (plain ? (int64_t) src0->nb[2] : matrix_bytes(src0));
             for (int64_t g = 0; g < n_groups;) {
-                const int G = !plain && n == 1 && g + GEMV_GROUPS <= n_groups ? GEMV_GROUPS : 1;
+                const int G = !plain && n == 1 && g + groups <= n_groups ? groups : 1;
                 const int64_t cost = G * (n + WEIGHT_COST);
                 const int64_t owner = (2 * done + cost) * params->nth / (2 * total);  // by the unit's middle
                 done += cost;
@@ -1314,4 +1332,19 @@ ggml_backend_buffer_type_t ggml_backend_cpu_exact_buffer_type(void) {
 
 const char * ggml_cpu_exact_kernel(void) {
     return EXACT_KERNEL;
+}
+
+bool ggml_cpu_exact_set_variant(int groups, int prefetch) {
+    if ((groups != 1 && groups != 2 && groups != 4 && groups != GROUPS_MAX) || prefetch < 0 || prefetch > 16384 ||
+        prefetch % 64 != 0) {
+        return false;
+    }
+    gemv_groups.store(groups, std::memory_order_relaxed);
+    prefetch_bytes.store(prefetch, std::memory_order_relaxed);
+    return true;
+}
+
+void ggml_cpu_exact_get_variant(int * groups, int * prefetch) {
+    *groups   = gemv_groups.load(std::memory_order_relaxed);
+    *prefetch = prefetch_bytes.load(std::memory_order_relaxed);
 }
