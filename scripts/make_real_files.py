@@ -8,8 +8,9 @@ For each architecture in ARCHS: a random HuggingFace model of transformers' own 
 with one byte-level BPE tokenizer trained by `tokenizers` on CORPUS below and a real chat
 template in its tokenizer_config.json (the pinned llama.cpp tree's copy of Qwen3's template;
 gpt-oss: its harmony template); then
-    convert_hf_to_gguf.py of the pinned tree, run where the build extracted it  →  F32, F16
+    convert_hf_to_gguf.py of the pinned tree, run where the build extracted it  →  F32, F16 (BF16)
     stock llama-quantize (scripts/build_native.py --stock)  →  Q8_0, Q4_K_M, and a Q4_0 self-draft
+    (some families also IQ4_XS, Q3_K_M, Q2_K or MXFP4_MOE: MORE_TYPES_OF)
     transformers' greedy tokens of PROMPTS on the float32 model, with the top-1/top-2 margin of
     every position  →  reference.json
 Everything lands in OUT/<key>/<arch>/ (key: a hash of this script and the lock file);
@@ -50,6 +51,16 @@ TYPES_OF = {a: ["f32", "q4_k_m"] for a in ("glm4moe", "llama4", "minimax-m2", "e
 # DeepSeek-V3 in Q8_0 too: its 3-D attn_k_b/attn_v_b (MUL_MAT batched over heads) are Q8_0 there, a
 # type every repacked layout takes as a matrix but not batched (the default layout once placed them)
 TYPES_OF["deepseek3"] = ["f32", "q8_0", "q4_k_m"]
+# the types big MoEs ship in that CPU_EXACT took last (issue 52), each on the families that ship in
+# it: Qwen3's BF16, IQ4_XS, Q3_K_M and Q2_K files, gpt-oss's MXFP4 experts, a hybrid's IQ4_XS
+MORE_TYPES_OF = {"qwen3moe": ["bf16", "iq4_xs", "q3_k_m", "q2_k"], "gpt-oss": ["mxfp4_moe"], "qwen35moe": ["iq4_xs"]}
+CONVERTED = ("f32", "f16", "bf16")  # the converter's outtypes; the others are llama-quantize's, from F32
+
+
+def types_of(arch: str) -> list[str]:
+    """The file types made of `arch` (and held to every path by tests/real_files), the draft's aside."""
+    return [*TYPES_OF.get(arch, TYPES), *MORE_TYPES_OF.get(arch, [])]
+
 DRAFT_TYPE = "q4_0"  # the self-draft, quantized from F32
 
 PROMPTS = ["The expert pool holds", "def fibonacci(n):", "Once upon a time, the router"]
@@ -427,10 +438,10 @@ def build_arch(arch: str, out: Path, quantizer: Path) -> dict:
     model = make_hf_model(arch, hf_dir, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     ref = reference(model, tokenizer)
     del model
-    files = {t: out / f"{arch}-{t}.gguf" for t in [*TYPES_OF.get(arch, TYPES), DRAFT_TYPE]}
-    convert([(hf_dir, t, files[t]) for t in ("f32", "f16") if t in files], CONVERT_FLAGS.get(arch, []))
-    for t in ("q8_0", "q4_k_m", DRAFT_TYPE):
-        if t in files:
+    files = {t: out / f"{arch}-{t}.gguf" for t in [*types_of(arch), DRAFT_TYPE]}
+    convert([(hf_dir, t, files[t]) for t in CONVERTED if t in files], CONVERT_FLAGS.get(arch, []))
+    for t in files:
+        if t not in CONVERTED:
             quantize(quantizer, files["f32"], files[t], t)
     types = {t: sorted(set(tensor_types(f).values())) for t, f in files.items()}
     exps = {n: ty for n, ty in tensor_types(files["q4_k_m"]).items() if "ffn_down_exps" in n}

@@ -3,7 +3,8 @@ against transformers (the implementation they come from), stock llama.cpp, and s
 target-only output on every path.
 
 The files come from scripts/make_real_files.py (tiny random HF models of every MoE family in its
-ARCHS, converted to F32/F16 by the pinned convert_hf_to_gguf.py, quantized to Q8_0/Q4_K_M and a Q4_0
+ARCHS, converted to F32/F16 by the pinned convert_hf_to_gguf.py, quantized to Q8_0/Q4_K_M (some families
+also BF16, IQ4_XS, Q3_K_M, Q2_K or MXFP4_MOE: the types of CPU_EXACT's newer kernels) and a Q4_0
 self-draft by stock llama-quantize), cached under runs/real-files/. For each file, three
 prompts, 16 greedy tokens, compared by token id:
 
@@ -183,7 +184,7 @@ def stock_tokens_bytes(exe: Path, path: Path, prompt: str) -> bytes:
     return res.stdout
 
 
-CASES = [(a, t) for a in mrf.ARCHS for t in mrf.TYPES_OF.get(a, mrf.TYPES)]
+CASES = [(a, t) for a in mrf.ARCHS for t in mrf.types_of(a)]
 
 
 @pytest.mark.parametrize("arch,ftype", CASES, ids=[f"{a}-{t}" for a, t in CASES])
