@@ -114,7 +114,7 @@ if ! diff -q .venv/exact-bits.txt "$venv/exact-bits.txt" > /dev/null; then
 fi
 echo "[avx2] CPU_EXACT outputs: the default build's bits ($(wc -l < "$venv/exact-bits.txt") matmuls)"
 
-tests=(tests/real_files tests/test_batch_invariance.py tests/test_exact_variant.py tests/test_host_layout.py tests/test_hybrid.py
+tests=(tests/real_files tests/test_batch_invariance.py tests/test_exact_variant.py tests/test_attn_rows.py tests/test_host_layout.py tests/test_hybrid.py
        tests/test_mtp_draft.py tests/test_models_drafts.py tests/test_pool_draft.py
        tests/test_speculative.py)
 [ $# -gt 0 ] && tests=("$@")
