@@ -34,6 +34,8 @@ processes used during the run are printed. --json writes {"cpu", "decode_rates",
     .venv/bin/python bench/bench_cpu.py --files a.gguf b.gguf -t 2 --json rows.json
     .venv/bin/python bench/bench_cpu.py --spac-repack off      # spac with llama.cpp's repacking off
     .venv/bin/python bench/bench_cpu.py --no-ik                # without ik_llama.cpp (no build of it)
+    .venv-avx2/bin/python bench/bench_cpu.py --files ...       # every system built for AVX2 only
+                                                               # (scripts/test_avx2.sh makes the venv)
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_live import machine_cpu_seconds, own_cpu_seconds, steal_seconds, stock_program  # noqa: E402
-from build_native import ik_program  # noqa: E402  (scripts/, on the path through bench_live)
+from build_native import ik_program, installed_variant  # noqa: E402  (scripts/, on the path through bench_live)
 
 from orchestrator.runtime.host_layout import cpu_model_and_flags  # noqa: E402
 
@@ -63,8 +65,13 @@ CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
 
 
 def cpu_description() -> str:
+    """The CPU, its flags, and the ISA every system in the run was built for: -march=native, or
+    the --cpu-variant of the spac build this interpreter imports (scripts/test_avx2.sh's venv), which
+    stock llama.cpp and ik_llama.cpp are then built for too."""
     model, flags = cpu_model_and_flags()
-    return f"{model}; {os.cpu_count()} logical CPUs; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or '-'}"
+    variant = installed_variant(sys.executable)
+    return (f"{model}; {os.cpu_count()} logical CPUs; flags: {' '.join(f for f in CPU_FLAGS if f in flags) or '-'}; "
+            f"builds: {f'--cpu-variant {variant} (every system)' if variant else '-march=native'}")
 
 
 def make_files(directory: Path, n_layer: int, types: list[str], shapes: list[str]) -> list[Path]:

@@ -434,12 +434,14 @@ def build_stock(lock: dict, python: str, sdist: Path | None, variant: str | None
                            relink_from=base)
 
 
-def build_ik(python: str) -> Path:
+def build_ik(python: str, variant: str | None = None) -> Path:
     """Build ik_llama.cpp's llama-bench from the sdist pinned in IK_LOCK, as its users build it
-    (Release, -march=native, its own CPU kernels on): the host-kernel peer of bench/bench_cpu.py.
-    Cached under vendor/build/ik-<key>; returns llama-bench's path."""
+    (Release, -march=native, its own CPU kernels on), or for a --cpu-variant's ISA level (its CMake
+    options are ggml's): the host-kernel peer of bench/bench_cpu.py. Cached under
+    vendor/build/ik[-<variant>]-<key>; returns llama-bench's path."""
+    isa = ["-DLLAMA_CURL=OFF", *CPU_VARIANTS[variant]] if variant else ["-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", *no_amx_args()]
     cmake = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-             "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", *no_amx_args()]
+             "-DLLAMA_BUILD_SERVER=OFF", *isa]
     lock = read_lock(IK_LOCK)
 
     def build_info(tree: Path) -> None:
@@ -452,8 +454,8 @@ def build_ik(python: str) -> Path:
             text = text.replace(f"@{key}@", value)
         (common / "build-info.cpp").write_text(text)
 
-    return _build_programs(lock, IK_LOCK, python, None, "ik", "vendor/ik_llama.cpp", ("llama-bench",), cmake,
-                           prepare=build_info)
+    return _build_programs(lock, IK_LOCK, python, None, f"ik-{variant}" if variant else "ik", "vendor/ik_llama.cpp",
+                           ("llama-bench",), cmake, prepare=build_info)
 
 
 def _build_programs(lock: dict, lock_file: Path, python: str, sdist: Path | None, name: str, source_dir: str,
@@ -515,8 +517,12 @@ def relink(base: Path, out: Path, target: str) -> None:
 
 def ik_program(name: str = "llama-bench") -> Path:
     """ik_llama.cpp's llama-bench, built first where needed by `build_native.py --ik` in a process
-    of its own (as stock_program)."""
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ik"], capture_output=True, text=True)
+    of its own, for the ISA of the spac build this interpreter imports (as stock_program)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--ik"]
+    variant = installed_variant(sys.executable)
+    if variant:
+        cmd += ["--cpu-variant", variant]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"the ik_llama.cpp build failed:\n{res.stderr[-3000:]}")
     return Path(res.stdout.strip().splitlines()[-1]).parent / name
@@ -692,7 +698,8 @@ def arg_parser() -> argparse.ArgumentParser:
                     help="with --stock: build this one program only (default: all four)")
     ap.add_argument("--ik", action="store_true",
                     help="build ik_llama.cpp's llama-bench (vendor/ik-llama-cpp-python.lock; cached under "
-                         "vendor/build/), the host-kernel peer of bench/bench_cpu.py, and print its path")
+                         "vendor/build/; for --cpu-variant's ISA if given), the host-kernel peer of "
+                         "bench/bench_cpu.py, and print its path")
     ap.add_argument("--patches-dir", type=Path, default=PATCHES, help=argparse.SUPPRESS)
     ap.add_argument("--export-patches", action="store_true",
                     help="write the commits of vendor/llama-cpp-python back to ggml-patches/")
@@ -708,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
             export_patches(patches_dir=args.patches_dir)
             return 0
         if args.ik:
-            print(build_ik(args.python))
+            print(build_ik(args.python, args.cpu_variant))
             return 0
         lock = read_lock()
         if args.stock:
