@@ -33,7 +33,7 @@ class Variant(NamedTuple):
     prefetch: int  # bytes ahead the kernel asks for weights (0: none)
 
     def __str__(self) -> str:
-        return f"{self.groups} groups, prefetch {self.prefetch} B"
+        return f"{self.groups} group{'s' if self.groups != 1 else ''}, prefetch {self.prefetch} B"
 
     @property
     def key(self) -> str:
