@@ -82,12 +82,12 @@ def test_measure_tries_the_group_counts_then_the_distances_at_the_best_count(mon
     tried = []
     speed = {1: 3.0, 2: 1.0, 4: 2.0, 8: 4.0}
 
-    def fake(ggml_type, shapes, n_threads, buft, candidates):
+    def fake(timer, ggml_type, shapes, n_threads, buft, candidates):
         tried.append(list(candidates))
         return {v.key: speed[v.groups] - v.prefetch / 1e4 for v in candidates}
 
     monkeypatch.setattr(exact_variant, "time_variants", fake)
-    ms = exact_variant.measure({2: [(512, 256, 4, 2)]}, 2, 0)
+    ms = exact_variant.measure(None, {2: [(512, 256, 4, 2)]}, 2, 0)
     assert tried == [[Variant(g, DEFAULT.prefetch) for g in exact_variant.GROUPS],
                      [Variant(2, p) for p in exact_variant.PREFETCH]]
     assert exact_variant.choose(ms) == Variant(2, 4096)

@@ -11,9 +11,9 @@ chosen.
 
 The choice is timed as a decode reads: the model's routed-expert matmuls at one token in
 CPU_EXACT's layout, the weights rotated through copies twice the last-level cache
-(`host_layout.matmul_timer`), first the group counts at the default distance, then the distances
-at the best count. The default is kept unless another variant is faster by MIN_GAIN (the timings'
-noise). The times are cached per CPU beside the host layouts' (`host_layout.choose` calls
+(`host_layout.matmul_timer`, passed in: host_layout imports this module), first the group
+counts at the default distance, then the distances at the best count. The default is kept unless
+another variant is faster by MIN_GAIN (the timings' noise). The times are cached per CPU beside the host layouts' (`host_layout.choose` calls
 `choose`), and the model's load sets the variant (process-wide, like batch-invariant mode).
 """
 
@@ -89,20 +89,18 @@ def using(variant: Variant) -> Iterator[None]:
         set_variant(before)
 
 
-def time_variants(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: int, buft: int,
+def time_variants(matmul_timer, ggml_type: int, shapes: list[tuple[int, int, int, int]], n_threads: int, buft: int,
                   candidates: list[Variant]) -> dict[str, float]:
-    """ms of one token through the expert matmuls of these shapes ((n_in, n_out, n_expert, n_used),
-    at most host_layout.MAX_BENCH_EXPERTS experts: one token reads n_used of them whatever the count) in buffer
-    type `buft`, per candidate variant (by `Variant.key`): each shape's graph built once with its
-    weights out of cache, the candidates timed on it in turn, ROUNDS times, the best kept."""
-    from orchestrator.runtime import host_layout as hl
-
+    """ms of one token through the expert matmuls of these shapes ((n_in, n_out, n_expert, n_used):
+    one token reads n_used experts whatever their count) in buffer type `buft`, per candidate
+    variant (by `Variant.key`): each shape's graph built once by `matmul_timer`
+    (host_layout.matmul_timer: weights out of cache), the candidates timed on it in turn, ROUNDS
+    times, the best kept."""
     ms = {v.key: 0.0 for v in candidates}
     for n_in, n_out, n_expert, n_used in shapes:
-        ne = min(n_expert, hl.MAX_BENCH_EXPERTS)
-        with hl.matmul_timer(ggml_type, n_in, n_out, ne, min(n_used, ne), 1, buft, n_threads, cold=True) as timer:
+        with matmul_timer(ggml_type, n_in, n_out, n_expert, n_used, 1, buft, n_threads, cold=True) as timer:
             if timer is None:
-                raise ValueError(f"{hl.EXACT_BUFT} does not take experts of shape {(n_in, n_out, n_expert)}")
+                raise ValueError(f"buffer type {buft:#x} does not take experts of shape {(n_in, n_out, n_expert)}")
             best = {v.key: float("inf") for v in candidates}
             for _ in range(ROUNDS):
                 for v in candidates:
@@ -113,14 +111,15 @@ def time_variants(ggml_type: int, shapes: list[tuple[int, int, int, int]], n_thr
     return ms
 
 
-def measure(types: dict[int, list[tuple[int, int, int, int]]], n_threads: int, buft: int) -> dict[str, float]:
+def measure(matmul_timer, types: dict[int, list[tuple[int, int, int, int]]], n_threads: int,
+            buft: int) -> dict[str, float]:
     """The summed ms of every type's expert matmuls at one token, per variant tried: the group
     counts at the default distance, then the distances at the fastest count (8 timings, not 16:
     the two settings act on the same loads, and a first run stays within seconds)."""
     def timed(candidates: list[Variant]) -> dict[str, float]:
         total: dict[str, float] = {}
         for ggml_type, shapes in sorted(types.items()):
-            for key, t in time_variants(ggml_type, shapes, n_threads, buft, candidates).items():
+            for key, t in time_variants(matmul_timer, ggml_type, shapes, n_threads, buft, candidates).items():
                 total[key] = total.get(key, 0.0) + t
         return total
 

@@ -765,8 +765,11 @@ def _choose_variant(layout: HostLayout, experts: dict[int, set], n_threads: int,
         return
     key = f"{key_base}|variant|{sorted(exact_types.items())}"
     if key not in cached:
+        # as many experts as _timed takes: one token reads n_used of them whatever their count
+        timed = {t: [(n_in, n_out, min(ne, MAX_BENCH_EXPERTS), min(nu, ne, MAX_BENCH_EXPERTS)) for n_in, n_out, ne, nu in shapes]
+                 for t, shapes in exact_types.items()}
         with progress.phase(f"timing {EXACT_BUFT}'s kernel variants"):
-            cached[key] = exact_variant.measure(exact_types, n_threads, bufts[EXACT_BUFT])
+            cached[key] = exact_variant.measure(matmul_timer, timed, n_threads, bufts[EXACT_BUFT])
     layout.variant_ms = cached[key]
     layout.exact_variant = exact_variant.choose(layout.variant_ms).key
 
