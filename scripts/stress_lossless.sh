@@ -16,7 +16,7 @@ runs=${1:-20}
 load=${2:-2}
 niceness=${3:-0}
 [ -x .venv/bin/python ] || { echo "run scripts/install.sh --test first" >&2; exit 2; }
-tests=(tests/real_files tests/test_batch_invariance.py tests/test_host_layout.py tests/test_hybrid.py
+tests=(tests/real_files tests/test_batch_invariance.py tests/test_exact_variant.py tests/test_attn_rows.py tests/test_host_layout.py tests/test_hybrid.py
        tests/test_mtp_draft.py tests/test_models_drafts.py tests/test_pool_draft.py
        tests/test_speculative.py)
 

@@ -106,8 +106,8 @@ def test_auto_times_the_variants_once_and_the_load_sets_the_choice(tmp_path, mon
     try:
         layout = model.layout
         assert layout.types["Q4_0"].buft == host_layout.EXACT_BUFT
-        assert layout.exact_variant is not None and len(layout.variant_ms) == 7  # 8 timings, one variant twice
-        assert exact_variant.current() == Variant.of_key(layout.exact_variant)
+        assert layout.kernel_variant is not None and len(layout.variant_ms) == 7  # 8 timings, one variant twice
+        assert exact_variant.current() == Variant.of_key(layout.kernel_variant)
         assert "CPU_EXACT one-token kernels: " in layout.report()
     finally:
         model.close()
@@ -118,7 +118,7 @@ def test_auto_times_the_variants_once_and_the_load_sets_the_choice(tmp_path, mon
     monkeypatch.setattr(exact_variant, "time_variants", no_timing)
     again = Model(path, repack="auto", exact=True)
     try:
-        assert again.layout.exact_variant == layout.exact_variant
+        assert again.layout.kernel_variant == layout.kernel_variant
     finally:
         again.close()
 
@@ -129,4 +129,4 @@ def test_no_variant_is_chosen_off_auto_or_off_exact_mode(tmp_path, monkeypatch):
     make_random_model(path, tiny_config("qwen3moe", n_layer=1, n_embd=256, n_expert=8, n_expert_used=2,
                                         n_ff_exp=256), quant="q4_0")
     for repack, exact in (("on", True), ("off", True), ("auto", False)):
-        assert host_layout.choose(path, 1, repack, exact=exact).exact_variant is None
+        assert host_layout.choose(path, 1, repack, exact=exact).kernel_variant is None

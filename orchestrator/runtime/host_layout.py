@@ -56,7 +56,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orchestrator.runtime import progress
+from orchestrator.runtime import exact_variant, progress
 from orchestrator.runtime.calibrate import cache_path
 from orchestrator.runtime.native import ggml_library
 
@@ -518,7 +518,7 @@ class HostLayout:
     fallbacks: dict[str, str] = field(default_factory=dict)
     # auto with experts in CPU_EXACT: its one-token kernels' variant (exact_variant.Variant.key),
     # chosen by the times of each variant tried (ms of one token through the experts)
-    exact_variant: str | None = None
+    kernel_variant: str | None = None
     variant_ms: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -557,13 +557,11 @@ class HostLayout:
         return (f"{experts}; dense weights: {dense}" if dense else experts) + self._variant_report() + fallback
 
     def _variant_report(self) -> str:
-        from orchestrator.runtime import exact_variant
-
-        if self.exact_variant is None:
+        if self.kernel_variant is None:
             return ""
         ms, default = self.variant_ms, exact_variant.DEFAULT.key
-        gain = f", {ms[default] / ms[self.exact_variant]:.2f}x the default's" if default in ms else ""
-        return f"; {EXACT_BUFT} one-token kernels: {exact_variant.Variant.of_key(self.exact_variant)}{gain}"
+        gain = f", {ms[default] / ms[self.kernel_variant]:.2f}x the default's" if default in ms else ""
+        return f"; {EXACT_BUFT} one-token kernels: {exact_variant.Variant.of_key(self.kernel_variant)}{gain}"
 
     def plain_prefill_types(self) -> list[int]:
         """ggml types whose repacked experts read a plain twin on prefill ubatches."""
@@ -577,7 +575,7 @@ class HostLayout:
                 "n_repacked_tensors": len(self.repacked) if self.mode is not Repack.OFF else None,
                 "placement": self.placement(), "exact": self.exact, "fallbacks": self.fallbacks,
                 "n_plain_twins": self.n_plain_twins, "experts_on_disk": self.experts_on_disk,
-                "exact_variant": self.exact_variant, "variant_ms": self.variant_ms}
+                "kernel_variant": self.kernel_variant, "variant_ms": self.variant_ms}
 
 
 def names_pattern(names: list[str]) -> bytes:
@@ -757,8 +755,6 @@ def _choose_variant(layout: HostLayout, experts: dict[int, set], n_threads: int,
     timed on their shapes (`exact_variant`, cached like the layouts' times)."""
     import gguf
 
-    from orchestrator.runtime import exact_variant
-
     exact_types = {t: sorted(shapes) for t, shapes in experts.items()
                    if (c := layout.types.get(gguf.GGMLQuantizationType(t).name)) and c.repack and c.buft == EXACT_BUFT}
     if not exact_types:
@@ -771,7 +767,7 @@ def _choose_variant(layout: HostLayout, experts: dict[int, set], n_threads: int,
         with progress.phase(f"timing {EXACT_BUFT}'s kernel variants"):
             cached[key] = exact_variant.measure(matmul_timer, timed, n_threads, bufts[EXACT_BUFT])
     layout.variant_ms = cached[key]
-    layout.exact_variant = exact_variant.choose(layout.variant_ms).key
+    layout.kernel_variant = exact_variant.choose(layout.variant_ms).key
 
 
 def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n_gpu_layers: int = 0,

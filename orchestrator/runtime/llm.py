@@ -149,8 +149,8 @@ class Model:
         init_backend(verbose)
         self.layout = host_layout.choose(self.path, n_threads, repack, n_gpu_layers=n_gpu_layers, exact=exact,
                                          experts_on_disk=experts_on_disk)
-        if self.layout.exact_variant:  # process-wide, as batch-invariant mode: no graph computes during a load
-            exact_variant.set_variant(exact_variant.Variant.of_key(self.layout.exact_variant))
+        if self.layout.kernel_variant:  # process-wide, as batch-invariant mode: no graph computes during a load
+            exact_variant.set_variant(exact_variant.Variant.of_key(self.layout.kernel_variant))
         params = L.llama_model_default_params()
         # llama.cpp's -ngl counts the output layer too: N + 1 puts the last N repeating layers and the
         # output on the device (N alone would leave the first of them on the host)
