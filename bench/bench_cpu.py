@@ -132,9 +132,8 @@ def decode_rates(path: Path, threads: int) -> list[dict]:
             row = {"weight": name, "type": gguf.GGMLQuantizationType(ggml_type).name, "buft": buft_name,
                    "us": t * 1e6, "gb_s": read / t / 1e9}
             if n_expert and buft_name == host_layout.EXACT_BUFT:  # every variant of its one-token kernels
-                every = [exact_variant.Variant(g, p) for g in exact_variant.GROUPS for p in exact_variant.PREFETCH]
                 ms = exact_variant.time_variants(host_layout.matmul_timer, ggml_type, [(n_in, n_out, n_expert, n_used)],
-                                                 threads, buft, every)
+                                                 threads, buft, list(exact_variant.EVERY))
                 row["variants_gb_s"] = {k: read / (v / 1e3) / 1e9 for k, v in ms.items()}
             rows.append(row)
     return rows

@@ -18,7 +18,6 @@ from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
 pytestmark = pytest.mark.skipif(not engine_built(), reason="needs the patched llama.cpp")
 
 TYPES = ("f16", "bf16", "q4_0", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4")
-EVERY_VARIANT = [Variant(g, p) for g in exact_variant.GROUPS for p in exact_variant.PREFETCH]
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +50,7 @@ def test_every_variant_gives_the_default_variants_bits(type_name):
                     if run is None:
                         continue  # this layout does not take the weight
                     want = run(1)
-                    for variant in EVERY_VARIANT:
+                    for variant in exact_variant.EVERY:
                         for threads in (1, 2):
                             with exact_variant.using(variant):
                                 got = run(threads)

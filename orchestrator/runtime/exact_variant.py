@@ -13,8 +13,9 @@ The choice is timed as a decode reads: the model's routed-expert matmuls at one 
 CPU_EXACT's layout, the weights rotated through copies twice the last-level cache
 (`host_layout.matmul_timer`, passed in: host_layout imports this module), first the group
 counts at the default distance, then the distances at the best count. The default is kept unless
-another variant is faster by MIN_GAIN (the timings' noise). The times are cached per CPU beside the host layouts' (`host_layout.choose` calls
-`choose`), and the model's load sets the variant (process-wide, like batch-invariant mode).
+another variant is faster by MIN_GAIN (the timings' noise). The times are cached per CPU beside
+the host layouts' (`host_layout.choose` calls `choose`), and the model's load sets the variant
+(process-wide, like batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Variant(NamedTuple):
 DEFAULT = Variant(4, 2048)  # what exact.cpp starts with (measured best on an AVX-512 Xeon, 2026-11)
 GROUPS = (1, 2, 4, 8)
 PREFETCH = (0, 1024, 2048, 4096)
+EVERY = tuple(Variant(g, p) for g in GROUPS for p in PREFETCH)  # what the kernels take among these
 # another variant replaces the default only when it is at least this much faster: repeated
 # timings of one variant differ by about 1-2% on an idle machine
 MIN_GAIN = 1.03
