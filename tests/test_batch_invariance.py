@@ -209,3 +209,56 @@ def test_the_report_runs_on_a_device():
         assert all(c == "=" or float(c) < 1e-3 for c in cells[:-1])
     bad = subprocess.run([*bench, "--device", "NOPE", "--types", "q8_0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--device" in bad.stderr
+
+
+# Every stored value at its largest magnitude, for the kernels' integer sums at their bounds (the AVX2
+# kernel adds up to 8 maddubs results in 16 bits: exact only if they fit): per type, the block's
+# bytes, then its float scales as (offset, fp16 bits, or MXFP4's E8M0 byte). dmin 0: the sums stay
+# positive and large.
+FULL_BLOCKS = {
+    "q4_0": (18, 0xFF, ((0, 0x2000),)),
+    "q8_0": (34, 0x80, ((0, 0x2000),)),            # -128
+    "iq4_nl": (18, 0x00, ((0, 0x2000),)),          # the table's -127
+    "iq4_xs": (136, 0x00, ((0, 0x2000),)),
+    "mxfp4": (17, 0x77, ((0, None),)),             # 12, scale byte 120
+    "q4_k": (144, 0xFF, ((0, 0x2000), (2, 0))),
+    "q5_k": (176, 0xFF, ((0, 0x2000), (2, 0))),
+    "q6_k": (210, 0xFF, ((208, 0x2000),)),
+    "q2_k": (84, 0xFF, ((80, 0x2000), (82, 0))),
+    "q3_k": (110, 0xFF, ((108, 0x2000),)),
+}
+
+
+def full_row(type_name: str, n_in: int) -> np.ndarray:
+    size, fill, scales = FULL_BLOCKS[type_name]
+    block = np.full(size, fill, dtype=np.uint8)
+    for offset, bits in scales:
+        if bits is None:
+            block[offset] = 120
+        else:
+            block[offset:offset + 2] = np.frombuffer(np.uint16(bits).tobytes(), dtype=np.uint8)
+    per_block = 32 if size in (18, 34, 17) else 256
+    return np.tile(block, n_in // per_block)
+
+
+@pytest.mark.parametrize("type_name", sorted(FULL_BLOCKS))
+def test_largest_weights_and_activations_sum_exactly(type_name):
+    """Weights at their largest stored values and activations all 1 (quantized to 127): CPU_EXACT's
+    outputs, one token and a tile of 8, agree with llama.cpp's own kernels (within their activation
+    rounding), so no integer sum of the AVX2 or AVX-512 kernel wrapped."""
+    ggml_type = int(GGMLQuantizationType[type_name.upper()])
+    n_in, n_out = 512, 32
+    row = full_row(type_name, n_in)
+    bufts = host_layout.cpu_buffer_types()
+    def output(buft_name: str, xs: np.ndarray) -> np.ndarray:
+        with host_layout.matmul_runner(ggml_type, n_in, n_out, 0, xs, None, bufts[buft_name], raw_row=row) as run:
+            return run(1)
+
+    for n_tokens in (1, 8):
+        xs = np.ones((n_tokens, 1, n_in), dtype=np.float32)
+        got = output(host_layout.EXACT_BUFT, xs)
+        host_layout.set_batch_invariant_rows(0)  # llama.cpp's kernels on the plain layout
+        want = output("CPU", xs)
+        host_layout.set_batch_invariant_rows(EXACT_ROWS)
+        assert np.all(np.isfinite(want)) and np.abs(want).min() > 0
+        np.testing.assert_allclose(got, want, rtol=2e-3, err_msg=f"{type_name}, {n_tokens} tokens")

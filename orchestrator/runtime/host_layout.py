@@ -248,14 +248,15 @@ def device_buffer_type(name: str) -> int:
 @contextmanager
 def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int, buft: int,
                   n_threads: int, seed: int = 0, device: str = "CPU", copies: int = 1,
-                  sample_rows: int = 64) -> Iterator[tuple | None]:
+                  sample_rows: int = 64, raw_row: np.ndarray | None = None) -> Iterator[tuple | None]:
     """One MUL_MAT_ID (weight [n_in, n_out, n_expert] of `ggml_type` in buffer type `buft`, F32
     activations [n_in, n_used, n_tokens], n_used distinct random experts per token), or with
     n_expert = 0 one MUL_MAT (weight [n_in, n_out]), on a backend of `device` (the CPU: n_threads
     threads), its weights a few random quantized rows (seeded) repeated: yields (x, ids, out,
     graph, backend), or None where that buffer type does not take the weight. copies > 1: the
     graph computes the matmul `copies` times in a row, each reading its own copy of the weight
-    (`out` is the first's). sample_rows: how many distinct rows are repeated."""
+    (`out` is the first's). sample_rows: how many distinct rows are repeated; raw_row: one row's
+    blocks as stored (uint8), repeated in every row instead."""
     g = _lib()
     dev = _device(device)
     overhead = g["tensor_overhead"]()
@@ -289,8 +290,11 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
         sample = min(rows, sample_rows)
         # float32 for ggml (numpy 2 would make the quotient float64, read by ggml as garbage floats)
         src = (rng.standard_normal((sample, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in))).astype(np.float32)
-        block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
-        g["quantize_chunk"](ggml_type, src.ctypes.data, block.ctypes.data, 0, sample, n_in, None)
+        if raw_row is not None:
+            block = np.ascontiguousarray(raw_row, dtype=np.uint8)
+        else:
+            block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
+            g["quantize_chunk"](ggml_type, src.ctypes.data, block.ctypes.data, 0, sample, n_in, None)
         data = np.resize(block, g["nbytes"](w))
         for copy in ws:
             g["tensor_set"](copy, data.ctypes.data, 0, data.nbytes)
@@ -397,13 +401,15 @@ def matmul_output(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.n
 
 @contextmanager
 def matmul_runner(ggml_type: int, n_in: int, n_out: int, n_expert: int, xs: np.ndarray, ids: np.ndarray | None,
-                  buft: int, seed: int = 0, device: str = "CPU", sample_rows: int = 64) -> Iterator:
+                  buft: int, seed: int = 0, device: str = "CPU", sample_rows: int = 64,
+                  raw_row: np.ndarray | None = None) -> Iterator:
     """matmul_output's graph, built once: yields run(n_threads) -> the output, to be called as often
-    as wanted (tests/test_exact_variant.py computes it under every kernel variant), or None."""
+    as wanted (tests/test_exact_variant.py computes it under every kernel variant), or None.
+    raw_row: one row's stored blocks for every row, instead of random rows (see `_matmul_graph`)."""
     g = _lib()
     n_tokens, n_used, _ = xs.shape
     with _matmul_graph(ggml_type, n_in, n_out, n_expert, n_used, n_tokens, buft, 1, seed, device,
-                       sample_rows=sample_rows) as built:
+                       sample_rows=sample_rows, raw_row=raw_row) as built:
         if built is None:
             yield None
             return
