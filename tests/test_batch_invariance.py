@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from orchestrator.decoding.speculative import EXACT_ROWS
 from orchestrator.runtime import host_layout
@@ -212,32 +212,33 @@ def test_the_report_runs_on_a_device():
 
 
 # Every stored value at its largest magnitude, for the kernels' integer sums at their bounds (the AVX2
-# kernel adds up to 8 maddubs results in 16 bits: exact only if they fit): per type, the block's
-# bytes, then its float scales as (offset, fp16 bits, or MXFP4's E8M0 byte). dmin 0: the sums stay
-# positive and large.
+# kernel adds up to 8 maddubs results in 16 bits: exact only if they fit): per type, the byte that
+# fills a block, then its float scales as (offset, fp16 bits, or None: MXFP4's E8M0 byte). dmin 0:
+# the sums stay positive and large.
 FULL_BLOCKS = {
-    "q4_0": (18, 0xFF, ((0, 0x2000),)),
-    "q8_0": (34, 0x80, ((0, 0x2000),)),            # -128
-    "iq4_nl": (18, 0x00, ((0, 0x2000),)),          # the table's -127
-    "iq4_xs": (136, 0x00, ((0, 0x2000),)),
-    "mxfp4": (17, 0x77, ((0, None),)),             # 12, scale byte 120
-    "q4_k": (144, 0xFF, ((0, 0x2000), (2, 0))),
-    "q5_k": (176, 0xFF, ((0, 0x2000), (2, 0))),
-    "q6_k": (210, 0xFF, ((208, 0x2000),)),
-    "q2_k": (84, 0xFF, ((80, 0x2000), (82, 0))),
-    "q3_k": (110, 0xFF, ((108, 0x2000),)),
+    "q4_0": (0xFF, ((0, 0x2000),)),
+    "q8_0": (0x80, ((0, 0x2000),)),            # -128
+    "iq4_nl": (0x00, ((0, 0x2000),)),          # the table's -127
+    "iq4_xs": (0x00, ((0, 0x2000),)),
+    "mxfp4": (0x77, ((0, None),)),             # 12
+    "q4_k": (0xFF, ((0, 0x2000), (2, 0))),
+    "q5_k": (0xFF, ((0, 0x2000), (2, 0))),
+    "q6_k": (0xFF, ((208, 0x2000),)),
+    "q2_k": (0xFF, ((80, 0x2000), (82, 0))),
+    "q3_k": (0xFF, ((108, 0x2000),)),
 }
 
 
 def full_row(type_name: str, n_in: int) -> np.ndarray:
-    size, fill, scales = FULL_BLOCKS[type_name]
+    """One row of `n_in` weights of FULL_BLOCKS' blocks, as stored."""
+    fill, scales = FULL_BLOCKS[type_name]
+    per_block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
     block = np.full(size, fill, dtype=np.uint8)
     for offset, bits in scales:
         if bits is None:
-            block[offset] = 120
+            block[offset] = 120  # a small power of two
         else:
             block[offset:offset + 2] = np.frombuffer(np.uint16(bits).tobytes(), dtype=np.uint8)
-    per_block = 32 if size in (18, 34, 17) else 256
     return np.tile(block, n_in // per_block)
 
 
