@@ -288,11 +288,11 @@ def _matmul_graph(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: 
         # quantizing a whole tensor (IQ4_NL searches per block) would take longer than timing it
         rows = n_out * max(n_expert, 1)
         sample = min(rows, sample_rows)
-        # float32 for ggml (numpy 2 would make the quotient float64, read by ggml as garbage floats)
-        src = (rng.standard_normal((sample, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in))).astype(np.float32)
         if raw_row is not None:
             block = np.ascontiguousarray(raw_row, dtype=np.uint8)
         else:
+            # float32 for ggml (numpy 2 would make the quotient float64, read by ggml as garbage floats)
+            src = (rng.standard_normal((sample, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in))).astype(np.float32)
             block = np.empty(g["nbytes"](w) // rows * sample, dtype=np.uint8)
             g["quantize_chunk"](ggml_type, src.ctypes.data, block.ctypes.data, 0, sample, n_in, None)
         data = np.resize(block, g["nbytes"](w))
