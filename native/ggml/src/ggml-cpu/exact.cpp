@@ -646,6 +646,14 @@ constexpr int sums_in_16_bits(ggml_type type) {
     return std::min(8, 32767 / (2 * 127 * max_weight(type)));
 }
 
+// 8 rows' bytes a and b as int16 pairs (a_r, b_r) in lane r: what madd multiplies a row's two
+// 16-bit sums by (a = b: one scale for both)
+template <bool SIGNED>
+__m256i byte_pairs(__m128i a, __m128i b) {
+    const __m128i ab = _mm_unpacklo_epi8(a, b);
+    return SIGNED ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab);
+}
+
 // rows in 8 lanes, twice per group; the products through maddubs, which takes an unsigned byte:
 // the unsigned stored values as they are (Q4_0's offset taken back with the activations' sum),
 // the signed ones (Q8_0, the table types) as their magnitude against activations carrying their
@@ -692,22 +700,22 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                     const __m128i b0 = _mm_loadl_epi64((const __m128i *) (w + 8 * h));
                     const __m128i b1 = _mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h));
                     const __m128i s0 = _mm_and_si128(b0, _mm_set1_epi8(0x0F)), s1 = _mm_and_si128(b1, _mm_set1_epi8(0x0F));
-                    sc0  = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s0, s0));
-                    sc1  = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s1, s1));
-                    mn01 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(_mm_srli_epi16(b0, 4), _mm_set1_epi8(0x0F)),
-                                                                  _mm_and_si128(_mm_srli_epi16(b1, 4), _mm_set1_epi8(0x0F))));
+                    sc0  = byte_pairs<false>(s0, s0);
+                    sc1  = byte_pairs<false>(s1, s1);
+                    mn01 = byte_pairs<false>(_mm_and_si128(_mm_srli_epi16(b0, 4), _mm_set1_epi8(0x0F)),
+                                            _mm_and_si128(_mm_srli_epi16(b1, 4), _mm_set1_epi8(0x0F)));
                 } else if constexpr (has_min(TYPE)) {
                     const __m128i b0 = _mm_loadl_epi64((const __m128i *) (w + 8 * h));
-                    sc0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b0, b0));
+                    sc0 = byte_pairs<false>(b0, b0);
                     const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h))));
                     mnd = _mm256_mul_ps(mn, neg_dmin);
                 } else if constexpr (scale_bytes(TYPE) > 0) {  // signed: Q6_K's and Q3_K's two, IQ4_XS's one
                     const __m128i b0 = _mm_loadl_epi64((const __m128i *) (w + 8 * h));
-                    sc0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b0, b0));
+                    sc0 = byte_pairs<true>(b0, b0);
                     if constexpr (scale_bytes(TYPE) == 32) {
                         const __m128i b1 = _mm_loadl_epi64((const __m128i *) (w + 16 + 8 * h));
-                        sc1  = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b1, b1));
-                        sc01 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b0, b1));
+                        sc1  = byte_pairs<true>(b1, b1);
+                        sc01 = byte_pairs<true>(b0, b1);
                     }
                 }
                 __m256i q[8];
