@@ -150,22 +150,27 @@ int64_t matrix_bytes(const ggml_tensor * t) {
 
 // ---------------------------------------------------------------------------------- activations
 
-// a token's quantized activations: K int8s, then per block a float scale (an fp16 value) and the
-// sums of its two halves of 16 (int32); for F16 and BF16 weights its K floats
+// a token's quantized activations: K int8s, then per block a float scale (an fp16 value), the sums
+// of its two halves of 16 (int32), their total times the scale (exact: 13 bits times 11) and -8
+// times the sums of the activations maddubs pairs into each 16-bit half of a 32-bit lane (k mod 4
+// in {0, 1} low, {2, 3} high; int16s: at most 8 * 2048); for F16 and BF16 weights its K floats
 size_t act_row_bytes(ggml_type type, int64_t K) {
-    return GGML_PAD(is_float(type) ? (size_t) K * sizeof(float) : (size_t) K + (size_t) (K / QK) * 12, 64);
+    return GGML_PAD(is_float(type) ? (size_t) K * sizeof(float) : (size_t) K + (size_t) (K / QK) * 20, 64);
 }
 
 struct act_row {
-    const int8_t *  q;
-    const float *   d;
-    const int32_t * s16;  // [2 * nb]
-    const float *   f;    // the floats (F16 and BF16 weights)
+    const int8_t *   q;
+    const float *    d;
+    const int32_t *  s16;       // [2 * nb]
+    const float *    sum_d;     // (s16[2b] + s16[2b + 1]) * d[b]
+    const uint32_t * lane_off;  // int16 pairs: -8 * (the low half's activations, the high half's)
+    const float *    f;         // the floats (F16 and BF16 weights)
 };
 
 act_row act_at(const uint8_t * row, int64_t K) {
-    return { (const int8_t *) row, (const float *) (row + K), (const int32_t *) (row + K + 4 * (K / QK)),
-             (const float *) row };
+    const int64_t nb = K / QK;
+    return { (const int8_t *) row, (const float *) (row + K), (const int32_t *) (row + K + 4 * nb),
+             (const float *) (row + K + 12 * nb), (const uint32_t *) (row + K + 16 * nb), (const float *) row };
 }
 
 // rounds to nearest, ties to even: what cvtps2dq does in the default rounding mode
@@ -174,12 +179,24 @@ void quantize_act(const float * x, uint8_t * row, int64_t K) {
     int8_t *  q   = (int8_t *) row;
     float *   d   = (float *) (row + K);
     int32_t * s16 = (int32_t *) (row + K + 4 * nb);
+    float *    sum_d    = (float *) (row + K + 12 * nb);
+    uint32_t * lane_off = (uint32_t *) (row + K + 16 * nb);
     for (int64_t b = 0; b < nb; ++b) {
         const float * xb = x + b * QK;
         int8_t *      qb = q + b * QK;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
         const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#elif defined(__AVX2__)
+        __m256 v[4];
+        __m256 vmax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
         float amax = 0.0f;
         for (int k = 0; k < QK; ++k) {
@@ -197,6 +214,21 @@ void quantize_act(const float * x, uint8_t * row, int64_t K) {
         _mm_storeu_si128((__m128i *) (qb + 16), _mm512_cvtepi32_epi8(i1));
         s16[2 * b]     = _mm512_reduce_add_epi32(i0);
         s16[2 * b + 1] = _mm512_reduce_add_epi32(i1);
+#elif defined(__AVX2__)
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i iv[4];
+        for (int i = 0; i < 4; ++i) {
+            iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+        }
+        // packs interleaves the 128-bit lanes: 4-byte runs in the order 0 2 4 6 | 1 3 5 7 of the 8
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        _mm256_storeu_si256((__m256i *) qb, _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i s8 = _mm256_add_epi32(iv[2 * h], iv[2 * h + 1]);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s16[2 * b + h] = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+        }
 #else
         for (int h = 0; h < 2; ++h) {
             int32_t sum = 0;
@@ -208,6 +240,12 @@ void quantize_act(const float * x, uint8_t * row, int64_t K) {
             s16[2 * b + h] = sum;
         }
 #endif
+        int32_t lo = 0, hi = 0;
+        for (int k = 0; k < QK; ++k) {
+            (k & 2 ? hi : lo) += qb[k];
+        }
+        sum_d[b]    = (float) (s16[2 * b] + s16[2 * b + 1]) * d[b];
+        lane_off[b] = (uint32_t) (uint16_t) (-8 * lo) | (uint32_t) (uint16_t) (-8 * hi) << 16;
     }
 }
 
@@ -778,6 +816,12 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                             for (int m = c + 1; m < std::min(c + SUMS16, m0 + n); ++m) {
                                 p = _mm256_add_epi16(p, product(m));
                             }
+                            if constexpr (TYPE == GGML_TYPE_Q4_0) {
+                                // the offset 8 taken back in 16 bits: each half minus 8 times its
+                                // activations, sum (q - 8) x over 16 weights (at most 8 * 16 * 127)
+                                static_assert(SUMS16 == 8, "one run: a block's 32 products");
+                                p = _mm256_add_epi16(p, _mm256_set1_epi32((int32_t) x[t].lane_off[b]));
+                            }
                             s = _mm256_add_epi32(s, _mm256_madd_epi16(p, scale));
                         }
                         return s;
@@ -798,12 +842,9 @@ void tile_one(const uint8_t * w, int64_t K, const act_row * x, float * y) {
                         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(0, 8, sc0)), dd, acc[t][h]);
                         // mn S times -dmin dx, as (mn -dmin) times (S dx): both products exact (6 bits
                         // times 11, 13 times 11), so the fma rounds the same real number
-                        acc[t][h] = _mm256_fmadd_ps(mnd, _mm256_set1_ps((float) (s0 + s1) * dx), acc[t][h]);
+                        acc[t][h] = _mm256_fmadd_ps(mnd, _mm256_set1_ps(x[t].sum_d[b]), acc[t][h]);
                     } else {  // sc0: IQ4_XS's scales, else ones
-                        __m256i isum = dot(0, 8, sc0);
-                        if constexpr (TYPE == GGML_TYPE_Q4_0) {
-                            isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * (s0 + s1)));
-                        }
+                        const __m256i isum = dot(0, 8, sc0);
                         acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd, acc[t][h]);
                     }
                 }
