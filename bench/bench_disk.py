@@ -24,9 +24,10 @@ row against llama-mmap. `--json FILE` writes the rows: {"system", "decode_tok_s"
 "bytes_read", "stalls", ...}, llama.cpp's systems named llama-*.
 
 Each spac row runs --repeats times (default 3) and reports the median run. Predicted: each run of
-a spac tier row records its passes' choices (the tier's trace), and the row runs as many times
-again with no limit and the file in the page cache (the same kernels, no disk: its decode time,
-the median taken). Each run's prediction uses that median; the row's is the median prediction. `replay`
+a spac tier row records its passes' choices (the tier's trace) and its draft lengths, and has a twin
+run with no limit and the file in the page cache that takes the same draft lengths (the same
+kernels and passes, no disk: its decode time). Each run's prediction starts from its twin's time;
+the row's is the median prediction. `replay`
 puts the trace through the live tier's own ranking (runtime/host_tier.py's HostTier, over a
 `ModelledDisk`) and adds the simulator's disk time (orchestrator/sim/disk.py's Disk, measured here):
 
@@ -168,22 +169,52 @@ def llama_row(name: str, path: Path, limit: int, settings: list[str], n_prompt: 
 
 
 def generate_recording(trace_path: Path, args: list[str]) -> None:
-    """In its own process: `spac generate ARGS` with the host tier's trace written to trace_path."""
+    """In its own process: `spac generate ARGS` with the host tier's trace written to trace_path and
+    the draft length of every step (the governor's choices) to gammas_path(trace_path)."""
     from orchestrator.cli.main import app
+    from orchestrator.decoding.governor import Governor
     from orchestrator.runtime import host_tier
 
     trace: list = []
-    opened = host_tier.HostTier.__init__
+    gammas: list[int] = []
+    opened, chosen = host_tier.HostTier.__init__, Governor.next_gamma
 
     def recording(self, *a, **k):
         opened(self, *a, **k)
         self.trace = trace
 
+    def recording_gamma(self) -> int:
+        gammas.append(chosen(self))
+        return gammas[-1]
+
     host_tier.HostTier.__init__ = recording
+    Governor.next_gamma = recording_gamma
     try:
         app(["generate", *args], standalone_mode=False)
     finally:
         trace_path.write_bytes(pickle.dumps(trace))
+        gammas_path(trace_path).write_text(json.dumps(gammas))
+
+
+def gammas_path(trace_path: Path) -> Path:
+    return trace_path.with_suffix(".gammas.json")
+
+
+def generate_with_gammas(gammas_file: Path, args: list[str]) -> None:
+    """In its own process: `spac generate ARGS` whose governor answers with the draft lengths a run in
+    the limit chose, in order (its own choices once they run out). A run in memory then does that
+    run's computation: the governor times the passes, and without the disk it picks other lengths."""
+    from orchestrator.cli.main import app
+    from orchestrator.decoding.governor import Governor
+
+    recorded = json.loads(gammas_file.read_text())
+    chosen = Governor.next_gamma
+
+    def replayed(self) -> int:
+        return recorded.pop(0) if recorded else chosen(self)
+
+    Governor.next_gamma = replayed
+    app(["generate", *args], standalone_mode=False)
 
 
 def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, disk=None, repeats: int = 1) -> dict:
@@ -282,29 +313,31 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
 
 
 def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: bool) -> dict:
-    """The predicted decode tok/s of a live tier row: each run's trace `replay`ed on its decode time
-    in memory, the median of as many runs of the same command without the limit, the file in the
-    page cache and a tier just over the experts (the same kernels, no disk); the median prediction."""
+    """The predicted decode tok/s of a live tier row: each run's trace `replay`ed on the decode time
+    of its twin, the same command without the limit, the file in the page cache, a tier just over
+    the experts and the run's draft lengths (the same kernels and passes, no disk); the median
+    prediction."""
     under = str(path.stat().st_size - 1)  # every expert fits the tier: the same kernels, nothing to read
     memory_args = [*args[:-1], "--host-budget", under, args[-1]]
     with open(path, "rb") as f:  # the file into the page cache (the limited run left most of it out)
         while f.read(64 << 20):
             pass
-    memory = [json.loads(subprocess.run([str(ROOT / ".venv" / "bin" / "spac"), "generate", *memory_args],
-                                        capture_output=True, text=True, check=True).stdout) for _ in runs]
-    decode_s = float(np.median([m["decode_s"] for m in memory]))
+    # each run's twin in memory takes that run's draft lengths (none without a draft)
+    memory = [json.loads(subprocess.run([sys.executable, __file__, "--gammas", str(gammas_path(run["trace"])), "--",
+                                         *memory_args], capture_output=True, text=True, check=True).stdout)
+              for run in runs]
     predicted, stalls = [], []
-    for run in runs:
+    for run, twin in zip(runs, memory):
         tier, live = run["out"]["host_tier"], run["out"]
         trace = pickle.loads(run["trace"].read_bytes())
         n_expert = int(tier["expert_bytes"] // tier["one_expert_bytes"] // len(trace[0][1]))
-        got = replay(trace, tier["capacity"], n_expert, tier["one_expert_bytes"], disk, decode_s, read_ahead)
+        got = replay(trace, tier["capacity"], n_expert, tier["one_expert_bytes"], disk, twin["decode_s"], read_ahead)
         predicted.append((live["n_tokens"] - 1) / got["decode_s"])
         stalls.append(got["stalls"])
     mid = int(np.argsort(predicted)[len(predicted) // 2])
     n_tokens = runs[0]["out"]["n_tokens"]
     return {"predicted_decode_tok_s": predicted[mid], "predicted_decode_tok_s_runs": sorted(predicted),
-            "memory_decode_tok_s": (n_tokens - 1) / decode_s,
+            "memory_decode_tok_s": (n_tokens - 1) / memory[mid]["decode_s"],
             "memory_decode_tok_s_runs": sorted((m["n_tokens"] - 1) / m["decode_s"] for m in memory),
             "predicted_stalls": stalls[mid],
             "same_tokens_in_memory": all(m["tokens"] == runs[0]["out"]["tokens"] for m in memory)}
@@ -335,14 +368,19 @@ def main() -> None:
                     help="runs of each spac row and of its run in memory (medians reported; llama.cpp's rows run once)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
+    ap.add_argument("--gammas", type=Path, help=argparse.SUPPRESS)  # a spac row's run in memory
     ap.add_argument("--gate-rate", type=int, help=argparse.SUPPRESS)  # gate_rate's process: an expert's bytes
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gate_rate:
         print(gate_rate(args.file, args.gate_rate, memory_cgroup.parse_size(args.limit)))
         return
+    rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if args.record:
-        generate_recording(args.record, args.rest[1:] if args.rest[:1] == ["--"] else args.rest)
+        generate_recording(args.record, rest)
+        return
+    if args.gammas:
+        generate_with_gammas(args.gammas, rest)
         return
     limit = memory_cgroup.parse_size(args.limit)
     why = memory_cgroup.available()
