@@ -60,7 +60,8 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
     experts = [k for k in cache if "|dense|" not in k]
     assert len(experts) == sum(c.repack_ms is not None or c.plain_ms == [] for c in layout.types.values())
     for choice in layout.dense.values():  # the dense weights' buffer type: the fastest at decoding, by a margin
-        assert choice.buft == host_layout.dense_layout(choice.ms)
+        assert choice.buft == host_layout.dense_layout(choice.ms)  # and plain twins where a prompt is faster plain
+        assert choice.plain_prefill == (choice.buft != "CPU" and choice.ms["CPU"][2] < choice.ms[choice.buft][2])
     again = host_layout.choose(files["q4_k_m"], n_threads=2)
     assert again.report() == layout.report() and again.repacked == layout.repacked
 

@@ -205,17 +205,19 @@ int32_t spac_graph_crossings_text(struct llama_context * ctx, char * buf, size_t
 
 int32_t spac_routing_n_moe_layers(const struct llama_context * ctx);
 
-// Plain twins of repacked weights: every tensor the loader repacked (CPU_REPACK) whose ggml type is
-// in types[0..n_types) and whose file bytes are still mapped (mmap) gets a twin over those bytes,
-// in place (no copy, no new memory: llama.cpp keeps the mapping). A matmul of at least min_tokens
-// activation rows (a prompt's ubatch; MoE layers the expert pool splits excepted) then reads the
-// twin: the plain CPU kernels, faster than the repacked ones on large batches for some types, and a
-// host buffer, which a GPU's op offload can take. Call it before the model's first decode; a second call
-// replaces the twins. Returns the number of twinned tensors, -1 with the reason in err.
-// model_path: the model's file, mapped once more for weights whose bytes llama.cpp unmapped after
-// loading (NULL: those keep their repacked layout).
+// Plain twins of repacked weights: every host tensor the loader copied into another layout
+// (CPU_REPACK, CPU_EXACT, AMX) whose ggml type is in expert_types[0..n_expert_types) (routed experts:
+// 3-D tensors) or dense_types[0..n_dense_types) (2-D) and whose file bytes are still mapped (mmap) gets
+// a twin over those bytes, in place (no copy, no new memory: llama.cpp keeps the mapping). A matmul
+// of at least min_tokens activation rows (a prompt's ubatch; MoE layers the expert pool splits
+// excepted) then reads the twin: the plain CPU kernels, faster than the repacked ones on large
+// batches for some types, and a host buffer, which a GPU's op offload can take. Call it before the
+// model's first decode; a second call replaces the twins. Returns the number of twinned tensors, -1
+// with the reason in err. model_path: the model's file, mapped once more for weights whose bytes
+// llama.cpp unmapped after loading (NULL: those keep their repacked layout).
 int32_t spac_model_plain_twins(struct llama_model * model, const char * model_path, int32_t min_tokens,
-                               const int32_t * types, int32_t n_types, char * err, size_t err_len);
+                               const int32_t * expert_types, int32_t n_expert_types,
+                               const int32_t * dense_types, int32_t n_dense_types, char * err, size_t err_len);
 
 // The ggml device llama.cpp placed model layer il on ("CPU" for a layer left on the host); NULL
 // when il is out of range.

@@ -229,9 +229,11 @@ int32_t spac_routing_get(llama_context * ctx, const int32_t ** ids, const float 
     return ctx->routing_n_tokens;
 }
 
-int32_t spac_model_plain_twins(llama_model * model, const char * model_path, int32_t min_tokens, const int32_t * types,
-                               int32_t n_types, char * err, size_t err_len) {
-    if (model == nullptr || min_tokens < 1 || n_types < 0 || (n_types > 0 && types == nullptr)) {
+int32_t spac_model_plain_twins(llama_model * model, const char * model_path, int32_t min_tokens,
+                               const int32_t * expert_types, int32_t n_expert_types,
+                               const int32_t * dense_types, int32_t n_dense_types, char * err, size_t err_len) {
+    if (model == nullptr || min_tokens < 1 || n_expert_types < 0 || (n_expert_types > 0 && expert_types == nullptr) ||
+        n_dense_types < 0 || (n_dense_types > 0 && dense_types == nullptr)) {
         set_err(err, err_len, "model, min_tokens >= 1 and the types are required");
         return -1;
     }
@@ -259,7 +261,10 @@ int32_t spac_model_plain_twins(llama_model * model, const char * model_path, int
         }
         for (const auto & [name, t] : model->tensors_by_name) {
             auto src = model->copied_source.find(t);
-            const bool wanted = n_types == 0 || std::find(types, types + n_types, (int32_t) t->type) != types + n_types;
+            const bool      expert = ggml_n_dims(t) >= 3;
+            const int32_t * types  = expert ? expert_types : dense_types;
+            const int32_t   n_kind = expert ? n_expert_types : n_dense_types;
+            const bool      wanted = std::find(types, types + n_kind, (int32_t) t->type) != types + n_kind;
             // a weight copied to a GPU is not the host's to twin: a prompt would read it back from the host
             const bool on_host = t->buffer && ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer)) == cpu_dev;
             if (src == model->copied_source.end() || !wanted || !on_host) {

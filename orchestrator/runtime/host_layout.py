@@ -23,7 +23,8 @@ A type is repacked where decoding (one token and the verify batch) is faster rep
 prompt is faster on the plain layout, prompt ubatches read plain twins of its weights (the file's
 bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that stay on the host
 (attention, output head: MUL_MAT) go, per type, to whichever CPU buffer type decodes them fastest:
-the plain one, CPU_REPACK, or AMX on CPUs that have it (patches 0011-0012 make it safe). The
+the plain one, CPU_REPACK, or AMX on CPUs that have it (patches 0011-0012 make it safe), with plain
+twins for prompts where the plain layout is faster there (Q4_K in CPU_EXACT on an AVX2 CPU). The
 times are cached per CPU (model name and flags), build, threads and shape, beside the warm-up
 calibration. SPAC_HIDE_CPU_FEATURES=amx hides AMX from every choice, so that a CPU with it runs
 as the many without it do (the tests run both ways).
@@ -502,6 +503,7 @@ class DenseChoice:
     buft: str
     why: str
     ms: dict[str, list[float]] = field(default_factory=dict)
+    plain_prefill: bool = False  # in buft for decoding, and prefill reads the file's plain layout
 
 
 @dataclass
@@ -516,7 +518,7 @@ class HostLayout:
     types: dict[str, TypeChoice] = field(default_factory=dict)
     dense: dict[str, DenseChoice] = field(default_factory=dict)
     placed: dict[str, list[str]] = field(default_factory=dict)  # other buffer types (CPU_EXACT, AMX): tensor names
-    n_plain_twins: int = 0                      # repacked expert tensors with a plain twin for prefill
+    n_plain_twins: int = 0                      # repacked tensors with a plain twin for prefill
     exact: bool = True                          # chosen for exact mode (CPU_EXACT is used only then)
     experts_on_disk: bool = False               # the routed experts stay in the file mapping (host_tier.py): plain
     # tensors whose type's chosen layout has no kernel for the op that reads them (DeepSeek's 3-D
@@ -559,7 +561,8 @@ class HostLayout:
             first = "CPU_EXACT, then " if self.exact else ""
             return f"each weight in the first of {first}llama.cpp's layouts that takes it: {placed} tensors (--repack on)"
         experts = "; ".join(f"{c.type} {c.layout} ({c.why})" for c in self.types.values()) or "plain (no quantized experts)"
-        dense = "; ".join(f"{c.type} {'plain' if c.buft == 'CPU' else c.buft} ({c.why})" for c in self.dense.values())
+        dense = "; ".join(f"{c.type} {'plain' if c.buft == 'CPU' else c.buft}{', plain for prefill' if c.plain_prefill else ''}"
+                          f" ({c.why})" for c in self.dense.values())
         return (f"{experts}; dense weights: {dense}" if dense else experts) + self._variant_report() + fallback
 
     def _variant_report(self) -> str:
@@ -574,6 +577,12 @@ class HostLayout:
         import gguf
 
         return [gguf.GGMLQuantizationType[c.type].value for c in self.types.values() if c.plain_prefill]
+
+    def plain_prefill_dense_types(self) -> list[int]:
+        """ggml types whose repacked dense weights read a plain twin on prefill ubatches."""
+        import gguf
+
+        return [gguf.GGMLQuantizationType[c.type].value for c in self.dense.values() if c.plain_prefill]
 
     def to_dict(self) -> dict:
         return {"mode": self.mode.value, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},
@@ -879,7 +888,8 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
         plain = ms["CPU"]
         gain = (plain[0] + plain[1]) / (ms[shown][0] + ms[shown][1])
         why = f"{shown}: decode {gain:.2f}x, prefill {plain[2] / ms[shown][2]:.2f}x"
-        layout.dense[name] = DenseChoice(name, chosen, why, ms)
+        # as the experts: decoding in the chosen layout, a prompt in the file's where that is faster
+        layout.dense[name] = DenseChoice(name, chosen, why, ms, plain_prefill=chosen != "CPU" and plain[2] < ms[chosen][2])
     _choose_variant(layout, experts, n_threads, bufts, cached, key_base)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -197,9 +197,10 @@ class Model:
             bad = [e.split(": ", 1)[-1] for e in errors if "has invalid data" in e]  # --check-tensors
             why = ", ".join(bad[:3]) + " (NaN or Inf)" if bad else (errors[-1].split(": ")[-1] if errors else "")
             raise ModelError(f"llama.cpp could not load {self.path}: {why or 'corrupt file or unsupported architecture'}")
-        twin_types = self.layout.plain_prefill_types()
-        if twin_types:  # decoding on the repacked layout, prefill on the file's (host_layout)
-            self.layout.n_plain_twins = model_plain_twins(self.ptr, self.path, host_layout.PREFILL_MIN_TOKENS, twin_types)
+        expert_types, dense_types = self.layout.plain_prefill_types(), self.layout.plain_prefill_dense_types()
+        if expert_types or dense_types:  # decoding on the repacked layout, prefill on the file's (host_layout)
+            self.layout.n_plain_twins = model_plain_twins(self.ptr, self.path, host_layout.PREFILL_MIN_TOKENS,
+                                                          expert_types, dense_types)
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_layer = int(L.llama_model_n_layer(self.ptr))

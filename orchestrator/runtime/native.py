@@ -190,7 +190,7 @@ def _bind():
         "graph_n_crossings": fn("spac_graph_n_crossings", c_int32, ctx_p),
         "graph_crossings_text": fn("spac_graph_crossings_text", c_int32, ctx_p, c_char_p, c_size_t),
         "model_plain_twins": fn("spac_model_plain_twins", c_int32, c_void_p, c_char_p, c_int32, POINTER(c_int32),
-                                c_int32, c_char_p, c_size_t),
+                                c_int32, POINTER(c_int32), c_int32, c_char_p, c_size_t),
         "model_layer_device": fn("spac_model_layer_device", c_char_p, c_void_p, c_int32),
         "host_read_rate": fn("spac_host_read_rate", c_double, c_int32, c_size_t),
         "model_tensor_buft": fn("spac_model_tensor_buft", c_char_p, c_void_p, c_char_p),
@@ -263,13 +263,16 @@ def graph_n_splits(ctx) -> int:
     return int(lib()["graph_n_splits"](_ctx_ptr(ctx)))
 
 
-def model_plain_twins(model_ptr, model_path: Path, min_tokens: int, ggml_types: list[int]) -> int:
-    """Give the model's repacked weights of these types plain twins, read from the file, for
-    matmuls of at least min_tokens rows (spac.h spac_model_plain_twins); the number twinned."""
-    types = (c_int32 * max(len(ggml_types), 1))(*ggml_types)
+def model_plain_twins(model_ptr, model_path: Path, min_tokens: int, expert_types: list[int],
+                      dense_types: list[int]) -> int:
+    """Give the model's repacked weights of these types (routed experts' and dense ones') plain twins,
+    read from the file, for matmuls of at least min_tokens rows (spac.h spac_model_plain_twins); the
+    number twinned."""
+    experts = (c_int32 * max(len(expert_types), 1))(*expert_types)
+    dense = (c_int32 * max(len(dense_types), 1))(*dense_types)
     err = ctypes.create_string_buffer(_ERR_LEN)
-    n = lib()["model_plain_twins"](_ctx_ptr(model_ptr), str(model_path).encode(), min_tokens, types, len(ggml_types),
-                                   err, _ERR_LEN)
+    n = lib()["model_plain_twins"](_ctx_ptr(model_ptr), str(model_path).encode(), min_tokens, experts,
+                                   len(expert_types), dense, len(dense_types), err, _ERR_LEN)
     if n < 0:
         raise NativeError(err.value.decode(errors="replace"))
     return int(n)
