@@ -572,17 +572,15 @@ class HostLayout:
         gain = f", {ms[default] / ms[self.kernel_variant]:.2f}x the default's" if default in ms else ""
         return f"; {EXACT_BUFT} one-token kernels: {exact_variant.Variant.of_key(self.kernel_variant)}{gain}"
 
-    def plain_prefill_types(self) -> list[int]:
-        """ggml types whose repacked experts read a plain twin on prefill ubatches."""
+    def plain_prefill_types(self) -> tuple[list[int], list[int]]:
+        """ggml types whose repacked weights read a plain twin on prefill ubatches: the experts', the
+        dense weights'."""
         import gguf
 
-        return [gguf.GGMLQuantizationType[c.type].value for c in self.types.values() if c.plain_prefill]
+        def twinned(choices) -> list[int]:
+            return [gguf.GGMLQuantizationType[c.type].value for c in choices if c.plain_prefill]
 
-    def plain_prefill_dense_types(self) -> list[int]:
-        """ggml types whose repacked dense weights read a plain twin on prefill ubatches."""
-        import gguf
-
-        return [gguf.GGMLQuantizationType[c.type].value for c in self.dense.values() if c.plain_prefill]
+        return twinned(self.types.values()), twinned(self.dense.values())
 
     def to_dict(self) -> dict:
         return {"mode": self.mode.value, "types": {k: {**asdict(v), "layout": v.layout} for k, v in self.types.items()},

@@ -197,7 +197,7 @@ class Model:
             bad = [e.split(": ", 1)[-1] for e in errors if "has invalid data" in e]  # --check-tensors
             why = ", ".join(bad[:3]) + " (NaN or Inf)" if bad else (errors[-1].split(": ")[-1] if errors else "")
             raise ModelError(f"llama.cpp could not load {self.path}: {why or 'corrupt file or unsupported architecture'}")
-        expert_types, dense_types = self.layout.plain_prefill_types(), self.layout.plain_prefill_dense_types()
+        expert_types, dense_types = self.layout.plain_prefill_types()
         if expert_types or dense_types:  # decoding on the repacked layout, prefill on the file's (host_layout)
             self.layout.n_plain_twins = model_plain_twins(self.ptr, self.path, host_layout.PREFILL_MIN_TOKENS,
                                                           expert_types, dense_types)

@@ -153,7 +153,7 @@ int64_t matrix_bytes(const ggml_tensor * t) {
 // a token's quantized activations: K int8s, then per block a float scale (an fp16 value), the sums
 // of its two halves of 16 (int32), their total times the scale (exact: 13 bits times 11) and -8
 // times the sums of the activations maddubs pairs into each 16-bit half of a 32-bit lane (k mod 4
-// in {0, 1} low, {2, 3} high; int16s: at most 8 * 2048); for F16 and BF16 weights its K floats
+// in {0, 1} low, {2, 3} high; int16s: at most 8 * 16 * 127); for F16 and BF16 weights its K floats
 size_t act_row_bytes(ggml_type type, int64_t K) {
     return GGML_PAD(is_float(type) ? (size_t) K * sizeof(float) : (size_t) K + (size_t) (K / QK) * 20, 64);
 }
