@@ -18,8 +18,12 @@ Amortization Roofline objective of the paper:
   measurements of that size, so a passing load spike does not count much): the roofline of
   the target. A memory-bound target streams its weights once whatever n is, so T_verify stays
   nearly flat until compute catches up; a small compute-bound target pays about n times one
-  token. Between measured sizes it is interpolated linearly; outside them it follows the slope of
-  a line fitted through the measurements (never negative) from the nearest measured size.
+  token. Each size's median is shrunk towards a line fitted through all sizes (weighted by their
+  measurements; its slope never negative) as if the line were `verify_shrink` more measurements:
+  an MoE target's verify time swings by a quarter with the experts the text routes to, so a size
+  probed once, on other text, must not outweigh the sizes measured all along. Between measured
+  sizes it is interpolated linearly; outside them it follows the line's slope from the nearest
+  measured size.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
 The first steps probe the batch sizes the model needs: γ_min twice (the very first step of a
@@ -56,7 +60,8 @@ class GovernorConfig:
     gamma_min: int = 0            # 0 allows a plain autoregressive step where drafting cannot pay
     acceptance_decay: float = 0.97  # per step: the counts remember about 1/(1 − decay) steps
     cost_weight: float = 0.3      # weight of a new draft / step time in its running average
-    verify_window: int = 5        # T_verify(n): the median of the last measurements of size n
+    verify_window: int = 5        # T_verify(n): the median of the last measurements of size n ...
+    verify_shrink: float = 3.0    # ... shrunk towards the line through all sizes as if it were 3 more (0: not)
     prior_acceptance: float = 0.7
     prior_weight: float = 2.0     # pseudo-observations behind α and behind each p_i's shrinkage
     switch_margin: float = 0.02   # leave the γ in force only for a predicted gain above 2%
@@ -245,17 +250,24 @@ class Governor:
         return np.array([_interpolate(roofline, x) for x in np.asarray(n).tolist()])
 
     def _roofline(self) -> tuple[list[int], list[float], float] | None:
-        """(measured batch sizes, their verify times, slope of the least-squares line through
-        them, never negative), or None before any measurement."""
+        """(measured batch sizes, their verify times shrunk towards the least-squares line through
+        them, weighted by how many measurements each median has, the line's slope, never
+        negative), or None before any measurement."""
         known = [b for b, t in enumerate(self.t_verify) if t == t]  # t == t: not NaN
         if not known:
             return None
         t = [self.t_verify[b] for b in known]
         slope = 0.0
         if len(known) > 1:
-            mean_b, mean_t = sum(known) / len(known), sum(t) / len(t)
+            w = [len(self._verify_times[b]) for b in known]
+            total = sum(w)
+            mean_b = sum(wi * b for wi, b in zip(w, known)) / total
+            mean_t = sum(wi * y for wi, y in zip(w, t)) / total
             dx = [b - mean_b for b in known]
-            slope = max(sum(x * (y - mean_t) for x, y in zip(dx, t)) / sum(x * x for x in dx), 0.0)
+            slope = max(sum(wi * x * (y - mean_t) for wi, x, y in zip(w, dx, t))
+                        / sum(wi * x * x for wi, x in zip(w, dx)), 0.0)
+            k = self.cfg.verify_shrink
+            t = [(wi * y + k * (mean_t + slope * x)) / (wi + k) for wi, x, y in zip(w, dx, t)]
         return known, t, slope
 
     def throughput(self) -> np.ndarray:
