@@ -144,9 +144,11 @@ bool llama_experts_on_disk::advise(int il, int expert, int advice) {
     return true;
 }
 
-void llama_experts_on_disk::gate_layer(const layer & l, const int32_t * ids, int64_t n) {
+void llama_experts_on_disk::gate_layer(const layer & l, const int32_t * ids, int64_t n, int ith, int nth) {
     // each chosen expert once, whatever the number of tokens that chose it; every read is asked for
-    // before the layer waits on any of them
+    // before the layer waits on any of them. The k-th expert is thread k % nth's: in a memory limit
+    // MADV_WILLNEED reclaims the pages it charges on the caller's thread (a fifth of a limited
+    // decode's samples), and the graph's other threads would wait for one
     std::vector<bool> seen(l.weights[0]->ne[2], false);
     {
         std::lock_guard<std::mutex> lock(on_device_mutex);
@@ -156,12 +158,16 @@ void llama_experts_on_disk::gate_layer(const layer & l, const int32_t * ids, int
             }
         }
     }
+    int64_t k = 0;
     for (int64_t i = 0; i < n; ++i) {
         const int32_t e = ids[i];
         if (e < 0 || e >= (int32_t) seen.size() || seen[e]) {
             continue;
         }
         seen[e] = true;
+        if (k++ % nth != ith) {
+            continue;
+        }
         n_gate_experts++;
         const int64_t missing = missing_bytes(l.il, e);
         if (missing > 0) {
@@ -179,14 +185,12 @@ ggml_tensor * llama_experts_on_disk::gate(ggml_context * ctx, ggml_tensor * sele
         return selected;
     }
     return ggml_map_custom1(ctx, ggml_cont(ctx, selected), [](ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
-        (void) nth;
-        if (ith != 0) {
-            return;
+        if (ith == 0) {
+            memcpy(dst->data, a->data, ggml_nbytes(a));
         }
-        memcpy(dst->data, a->data, ggml_nbytes(a));
         const auto * l = (const layer *) ud;
-        l->disk->gate_layer(*l, (const int32_t *) a->data, ggml_nelements(a));
-    }, 1, &layers[il]);
+        l->disk->gate_layer(*l, (const int32_t *) a->data, ggml_nelements(a), ith, nth);
+    }, GGML_N_TASKS_MAX, &layers[il]);
 }
 
 void llama_experts_on_disk::get_stats(spac_disk_stats & out) const {

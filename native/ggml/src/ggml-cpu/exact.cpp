@@ -51,6 +51,8 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 namespace {
@@ -401,6 +403,63 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
     }
 }
 
+// Q4_0, IQ4_NL, MXFP4 and Q8_0, whose block is a scale and then 4 or 8 words of weights that go
+// unchanged to the group's 64-byte chunks (row r's word at 4 r): four rows at a time, a 4 x 4
+// transpose of words per 16 bytes. A plain weight (the disk tier's experts, read from the file's
+// mapping) is interleaved at every use, and interleave_row, called per block and row, took three
+// times the matmul's own time there.
+void interleave_group_words(ggml_type type, const uint8_t * src, size_t row_stride, int64_t n_rows, int64_t n_blocks,
+                            uint8_t * dst) {
+    const layout_info I        = info_of(type);
+    const bool        mx       = type == GGML_TYPE_MXFP4;  // a one-byte scale (E8M0), else an F16 one
+    const size_t      qs_at    = mx ? offsetof(block_mxfp4, qs) : type == GGML_TYPE_Q8_0 ? offsetof(block_q8_0, qs)
+                                                                                         : offsetof(block_q4_0, qs);
+    const size_t      b_src    = ggml_row_size(type, QK);
+    const int64_t     b_dst    = I.header + I.unit;
+    const int         n_chunks = I.unit / 64;
+    for (int64_t s = 0; s < n_blocks; ++s) {
+        const uint8_t * b = src + s * b_src;
+        uint8_t *       h = dst + s * b_dst;
+        uint8_t *       u = h + I.header;
+        int64_t         r = 0;
+#if defined(__SSE2__)
+        for (; r + 4 <= n_rows; r += 4) {
+            const uint8_t * q = b + r * row_stride + qs_at;
+            for (int c = 0; c < n_chunks; c += 4) {
+                const __m128i x0 = _mm_loadu_si128((const __m128i *) (q + 4 * c));
+                const __m128i x1 = _mm_loadu_si128((const __m128i *) (q + row_stride + 4 * c));
+                const __m128i x2 = _mm_loadu_si128((const __m128i *) (q + 2 * row_stride + 4 * c));
+                const __m128i x3 = _mm_loadu_si128((const __m128i *) (q + 3 * row_stride + 4 * c));
+                const __m128i lo01 = _mm_unpacklo_epi32(x0, x1), lo23 = _mm_unpacklo_epi32(x2, x3);
+                const __m128i hi01 = _mm_unpackhi_epi32(x0, x1), hi23 = _mm_unpackhi_epi32(x2, x3);
+                _mm_storeu_si128((__m128i *) (u + 64 * (c + 0) + 4 * r), _mm_unpacklo_epi64(lo01, lo23));
+                _mm_storeu_si128((__m128i *) (u + 64 * (c + 1) + 4 * r), _mm_unpackhi_epi64(lo01, lo23));
+                _mm_storeu_si128((__m128i *) (u + 64 * (c + 2) + 4 * r), _mm_unpacklo_epi64(hi01, hi23));
+                _mm_storeu_si128((__m128i *) (u + 64 * (c + 3) + 4 * r), _mm_unpackhi_epi64(hi01, hi23));
+            }
+            for (int64_t i = r; i < r + 4; ++i) {
+                if (mx) {
+                    h[i] = b[i * row_stride + offsetof(block_mxfp4, e)];
+                } else {
+                    memcpy(h + 2 * i, b + i * row_stride, 2);
+                }
+            }
+        }
+#endif
+        for (; r < n_rows; ++r) {
+            const uint8_t * row = b + r * row_stride;
+            if (mx) {
+                h[r] = row[offsetof(block_mxfp4, e)];
+            } else {
+                memcpy(h + 2 * r, row, 2);
+            }
+            for (int m = 0; m < n_chunks; ++m) {
+                store32(u + 64 * m + 4 * r, load32(row + qs_at + 4 * m));
+            }
+        }
+    }
+}
+
 // one 16-row group of the interleaved layout from n_rows rows of the file's blocks (rows past
 // n_rows: zeros)
 void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, int64_t n_rows, int64_t K, uint8_t * dst) {
@@ -418,6 +477,10 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
     const int64_t sb_dst = I.header + I.blocks * I.unit;
     if (n_rows < GROUP) {
         memset(dst, 0, (size_t) (n_sb * sb_dst));
+    }
+    if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_Q8_0) {
+        interleave_group_words(type, src, row_stride, n_rows, n_sb, dst);
+        return;
     }
     for (int64_t s = 0; s < n_sb; ++s) {
         for (int64_t r = 0; r < n_rows; ++r) {
