@@ -286,7 +286,8 @@ void scale_min_k4(const uint8_t * sc, int j, uint8_t & scale, uint8_t & min) {
 }
 
 // row r of a 16-row group: one super-block of the file at src, into the group's super-block at h
-void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h) {
+// (nibbles false: Q4_K/Q5_K/Q6_K's packed nibbles left to put_nibbles_4rows)
+void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h, bool nibbles = true) {
     const layout_info I = info_of(type);
     const size_t d_at = type == GGML_TYPE_Q6_K ? offsetof(block_q6_K, d) : type == GGML_TYPE_Q3_K ? offsetof(block_q3_K, d)
                       : type == GGML_TYPE_Q2_K ? offsetof(block_q2_K, qs) + sizeof(block_q2_K::qs) : 0;  // Q2_K: d, dmin after qs
@@ -333,7 +334,9 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
             for (int j = 0; j < 8; ++j, u += I.unit) {  // block j: the low (even j) or high nibbles of 32 bytes
                 scale_min_k4(sc, j, u[r], u[16 + r]);
                 const uint8_t * q = qs + 32 * (j / 2);
-                put_nibbles(q, q + 16, 4 * (j % 2), u + 32, r);
+                if (nibbles) {
+                    put_nibbles(q, q + 16, 4 * (j % 2), u + 32, r);
+                }
                 if (q5) {  // weight l's fifth bit is bit j of qh[l]: register m's bit goes to bit m
                     uint32_t bits = 0;
                     for (int m = 0; m < 8; ++m) {
@@ -389,7 +392,9 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
                 const uint8_t * ql = blk->ql + 64 * (j / 4) + 32 * (j % 2);
                 const uint8_t * qh = blk->qh + 32 * (j / 4);
                 const int       sh = 2 * (j % 4);
-                put_nibbles(ql, ql + 16, (j % 4) < 2 ? 0 : 4, u + 32, r);
+                if (nibbles) {
+                    put_nibbles(ql, ql + 16, (j % 4) < 2 ? 0 : 4, u + 32, r);
+                }
                 for (int c = 0; c < 2; ++c) {  // chunk c: registers 4c..4c+3, 2 bits each
                     uint32_t bits = 0;
                     for (int m = 0; m < 4; ++m) {
@@ -402,6 +407,45 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h)
         default: GGML_ABORT("CPU_EXACT: type %s", ggml_type_name(type));
     }
 }
+
+#if defined(__SSE2__)
+// four rows' words (16 bytes each, row i's at q[i]) to chunks m = 0..3 of the group at u: row r + i's
+// word m at u + 64 m + 4 (r + i)
+void put_words_4rows(__m128i x0, __m128i x1, __m128i x2, __m128i x3, uint8_t * u, int64_t r) {
+    const __m128i lo01 = _mm_unpacklo_epi32(x0, x1), lo23 = _mm_unpacklo_epi32(x2, x3);
+    const __m128i hi01 = _mm_unpackhi_epi32(x0, x1), hi23 = _mm_unpackhi_epi32(x2, x3);
+    _mm_storeu_si128((__m128i *) (u + 4 * r), _mm_unpacklo_epi64(lo01, lo23));
+    _mm_storeu_si128((__m128i *) (u + 64 + 4 * r), _mm_unpackhi_epi64(lo01, lo23));
+    _mm_storeu_si128((__m128i *) (u + 128 + 4 * r), _mm_unpacklo_epi64(hi01, hi23));
+    _mm_storeu_si128((__m128i *) (u + 192 + 4 * r), _mm_unpackhi_epi64(hi01, hi23));
+}
+
+// put_nibbles for rows r..r+3 of one super-block, the file's rows `row_stride` apart from src
+void put_nibbles_4rows(ggml_type type, const uint8_t * src, size_t row_stride, uint8_t * h, int64_t r) {
+    const layout_info I   = info_of(type);
+    const __m128i     low = _mm_set1_epi8(0x0F);
+    for (int j = 0; j < 8; ++j) {
+        size_t lo_at;  // put_nibbles' lo, from the block's start (hi: 16 bytes on)
+        int    shift;
+        if (type == GGML_TYPE_Q6_K) {
+            lo_at = offsetof(block_q6_K, ql) + 64 * (j / 4) + 32 * (j % 2);
+            shift = (j % 4) < 2 ? 0 : 4;
+        } else {
+            lo_at = (type == GGML_TYPE_Q5_K ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs)) + 32 * (j / 2);
+            shift = 4 * (j % 2);
+        }
+        __m128i x[4];
+        for (int i = 0; i < 4; ++i) {
+            const uint8_t * q = src + i * row_stride + lo_at;
+            const __m128i   a = _mm_loadu_si128((const __m128i *) q);
+            const __m128i   b = _mm_loadu_si128((const __m128i *) (q + 16));
+            x[i] = shift == 0 ? _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(b, low), 4))
+                              : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_andnot_si128(low, b));
+        }
+        put_words_4rows(x[0], x[1], x[2], x[3], h + I.header + j * I.unit + 32, r);
+    }
+}
+#endif
 
 // Q4_0, IQ4_NL, MXFP4 and Q8_0, whose block is a scale and then 4 or 8 words of weights that go
 // unchanged to the group's 64-byte chunks (row r's word at 4 r): four rows at a time, a 4 x 4
@@ -430,12 +474,7 @@ void interleave_group_words(ggml_type type, const uint8_t * src, size_t row_stri
                 const __m128i x1 = _mm_loadu_si128((const __m128i *) (q + row_stride + 4 * c));
                 const __m128i x2 = _mm_loadu_si128((const __m128i *) (q + 2 * row_stride + 4 * c));
                 const __m128i x3 = _mm_loadu_si128((const __m128i *) (q + 3 * row_stride + 4 * c));
-                const __m128i lo01 = _mm_unpacklo_epi32(x0, x1), lo23 = _mm_unpacklo_epi32(x2, x3);
-                const __m128i hi01 = _mm_unpackhi_epi32(x0, x1), hi23 = _mm_unpackhi_epi32(x2, x3);
-                _mm_storeu_si128((__m128i *) (u + 64 * (c + 0) + 4 * r), _mm_unpacklo_epi64(lo01, lo23));
-                _mm_storeu_si128((__m128i *) (u + 64 * (c + 1) + 4 * r), _mm_unpackhi_epi64(lo01, lo23));
-                _mm_storeu_si128((__m128i *) (u + 64 * (c + 2) + 4 * r), _mm_unpacklo_epi64(hi01, hi23));
-                _mm_storeu_si128((__m128i *) (u + 64 * (c + 3) + 4 * r), _mm_unpackhi_epi64(hi01, hi23));
+                put_words_4rows(x0, x1, x2, x3, u + 64 * c, r);
             }
             for (int64_t i = r; i < r + 4; ++i) {
                 if (mx) {
@@ -482,8 +521,18 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
         interleave_group_words(type, src, row_stride, n_rows, n_sb, dst);
         return;
     }
+    const bool nibbles4 = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
     for (int64_t s = 0; s < n_sb; ++s) {
-        for (int64_t r = 0; r < n_rows; ++r) {
+        int64_t r = 0;
+#if defined(__SSE2__)
+        for (; nibbles4 && r + 4 <= n_rows; r += 4) {  // the scales row by row, the nibbles 4 rows at once
+            for (int64_t i = r; i < r + 4; ++i) {
+                interleave_row(type, src + i * row_stride + s * sb_src, i, dst + s * sb_dst, false);
+            }
+            put_nibbles_4rows(type, src + r * row_stride + s * sb_src, row_stride, dst + s * sb_dst, r);
+        }
+#endif
+        for (; r < n_rows; ++r) {
             interleave_row(type, src + r * row_stride + s * sb_src, r, dst + s * sb_dst);
         }
     }
