@@ -409,8 +409,8 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h,
 }
 
 #if defined(__SSE2__)
-// four rows' words (16 bytes each, row i's at q[i]) to chunks m = 0..3 of the group at u: row r + i's
-// word m at u + 64 m + 4 (r + i)
+// four rows' 16 bytes (x0 row r's, .. x3 row r + 3's) to chunks m = 0..3 of the group at u: row
+// r + i's word m at u + 64 m + 4 (r + i)
 void put_words_4rows(__m128i x0, __m128i x1, __m128i x2, __m128i x3, uint8_t * u, int64_t r) {
     const __m128i lo01 = _mm_unpacklo_epi32(x0, x1), lo23 = _mm_unpacklo_epi32(x2, x3);
     const __m128i hi01 = _mm_unpackhi_epi32(x0, x1), hi23 = _mm_unpackhi_epi32(x2, x3);
