@@ -285,6 +285,21 @@ void scale_min_k4(const uint8_t * sc, int j, uint8_t & scale, uint8_t & min) {
     }
 }
 
+// where Q4_K/Q5_K/Q6_K's block j takes its packed nibbles in a super-block of the file: put_nibbles'
+// lo (hi is 16 bytes on), from the block's start, and its shift
+struct nibble_source {
+    size_t lo_at;
+    int    shift;
+};
+
+nibble_source nibbles_of(ggml_type type, int j) {
+    if (type == GGML_TYPE_Q6_K) {  // half j / 4 of 128 weights: ql[l], ql[32 + l] low nibbles, then high
+        return { offsetof(block_q6_K, ql) + 64 * (j / 4) + 32 * (j % 2), (j % 4) < 2 ? 0 : 4 };
+    }
+    // the low (even j) or high nibbles of 32 bytes
+    return { (type == GGML_TYPE_Q5_K ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs)) + 32 * (j / 2), 4 * (j % 2) };
+}
+
 // row r of a 16-row group: one super-block of the file at src, into the group's super-block at h
 // (nibbles false: Q4_K/Q5_K/Q6_K's packed nibbles left to put_nibbles_4rows)
 void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h, bool nibbles = true) {
@@ -329,13 +344,12 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h,
         case GGML_TYPE_Q5_K: {
             const bool      q5 = type == GGML_TYPE_Q5_K;
             const uint8_t * sc = src + offsetof(block_q4_K, scales);
-            const uint8_t * qs = src + (q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
             const uint8_t * qh = src + offsetof(block_q5_K, qh);
-            for (int j = 0; j < 8; ++j, u += I.unit) {  // block j: the low (even j) or high nibbles of 32 bytes
+            for (int j = 0; j < 8; ++j, u += I.unit) {
                 scale_min_k4(sc, j, u[r], u[16 + r]);
-                const uint8_t * q = qs + 32 * (j / 2);
                 if (nibbles) {
-                    put_nibbles(q, q + 16, 4 * (j % 2), u + 32, r);
+                    const nibble_source n = nibbles_of(type, j);
+                    put_nibbles(src + n.lo_at, src + n.lo_at + 16, n.shift, u + 32, r);
                 }
                 if (q5) {  // weight l's fifth bit is bit j of qh[l]: register m's bit goes to bit m
                     uint32_t bits = 0;
@@ -389,11 +403,11 @@ void interleave_row(ggml_type type, const uint8_t * src, int64_t r, uint8_t * h,
                 u[16 + r] = (uint8_t) blk->scales[2 * j + 1];
                 // half j / 4 of 128 weights: blocks 0..3 take ql[l], ql[32 + l] (low nibbles), then
                 // the same high nibbles, and bits 2 (j % 4) of qh[l] as the top two bits
-                const uint8_t * ql = blk->ql + 64 * (j / 4) + 32 * (j % 2);
                 const uint8_t * qh = blk->qh + 32 * (j / 4);
                 const int       sh = 2 * (j % 4);
                 if (nibbles) {
-                    put_nibbles(ql, ql + 16, (j % 4) < 2 ? 0 : 4, u + 32, r);
+                    const nibble_source n = nibbles_of(type, j);
+                    put_nibbles(src + n.lo_at, src + n.lo_at + 16, n.shift, u + 32, r);
                 }
                 for (int c = 0; c < 2; ++c) {  // chunk c: registers 4c..4c+3, 2 bits each
                     uint32_t bits = 0;
@@ -425,22 +439,14 @@ void put_nibbles_4rows(ggml_type type, const uint8_t * src, size_t row_stride, u
     const layout_info I   = info_of(type);
     const __m128i     low = _mm_set1_epi8(0x0F);
     for (int j = 0; j < 8; ++j) {
-        size_t lo_at;  // put_nibbles' lo, from the block's start (hi: 16 bytes on)
-        int    shift;
-        if (type == GGML_TYPE_Q6_K) {
-            lo_at = offsetof(block_q6_K, ql) + 64 * (j / 4) + 32 * (j % 2);
-            shift = (j % 4) < 2 ? 0 : 4;
-        } else {
-            lo_at = (type == GGML_TYPE_Q5_K ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs)) + 32 * (j / 2);
-            shift = 4 * (j % 2);
-        }
-        __m128i x[4];
+        const nibble_source n = nibbles_of(type, j);
+        __m128i             x[4];
         for (int i = 0; i < 4; ++i) {
-            const uint8_t * q = src + i * row_stride + lo_at;
+            const uint8_t * q = src + i * row_stride + n.lo_at;
             const __m128i   a = _mm_loadu_si128((const __m128i *) q);
             const __m128i   b = _mm_loadu_si128((const __m128i *) (q + 16));
-            x[i] = shift == 0 ? _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(b, low), 4))
-                              : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_andnot_si128(low, b));
+            x[i] = n.shift == 0 ? _mm_or_si128(_mm_and_si128(a, low), _mm_slli_epi16(_mm_and_si128(b, low), 4))
+                                : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), low), _mm_andnot_si128(low, b));
         }
         put_words_4rows(x[0], x[1], x[2], x[3], h + I.header + j * I.unit + 32, r);
     }
@@ -454,19 +460,21 @@ void put_nibbles_4rows(ggml_type type, const uint8_t * src, size_t row_stride, u
 // times the matmul's own time there.
 void interleave_group_words(ggml_type type, const uint8_t * src, size_t row_stride, int64_t n_rows, int64_t n_blocks,
                             uint8_t * dst) {
-    const layout_info I        = info_of(type);
-    const bool        mx       = type == GGML_TYPE_MXFP4;  // a one-byte scale (E8M0), else an F16 one
-    const size_t      qs_at    = mx ? offsetof(block_mxfp4, qs) : type == GGML_TYPE_Q8_0 ? offsetof(block_q8_0, qs)
-                                                                                         : offsetof(block_q4_0, qs);
-    const size_t      b_src    = ggml_row_size(type, QK);
-    const int64_t     b_dst    = I.header + I.unit;
-    const int         n_chunks = I.unit / 64;
+    const layout_info I     = info_of(type);
+    const size_t      b_src = ggml_row_size(type, QK);
+    const int64_t     b_dst = I.header + I.unit;
+#if defined(__SSE2__)
+    const bool   mx       = type == GGML_TYPE_MXFP4;  // a one-byte scale (E8M0), else an F16 one
+    const size_t qs_at    = mx ? offsetof(block_mxfp4, qs) : type == GGML_TYPE_Q8_0 ? offsetof(block_q8_0, qs)
+                                                                                    : offsetof(block_q4_0, qs);
+    const int    n_chunks = I.unit / 64;
+#endif
     for (int64_t s = 0; s < n_blocks; ++s) {
         const uint8_t * b = src + s * b_src;
         uint8_t *       h = dst + s * b_dst;
-        uint8_t *       u = h + I.header;
         int64_t         r = 0;
 #if defined(__SSE2__)
+        uint8_t * u = h + I.header;
         for (; r + 4 <= n_rows; r += 4) {
             const uint8_t * q = b + r * row_stride + qs_at;
             for (int c = 0; c < n_chunks; c += 4) {
@@ -485,16 +493,8 @@ void interleave_group_words(ggml_type type, const uint8_t * src, size_t row_stri
             }
         }
 #endif
-        for (; r < n_rows; ++r) {
-            const uint8_t * row = b + r * row_stride;
-            if (mx) {
-                h[r] = row[offsetof(block_mxfp4, e)];
-            } else {
-                memcpy(h + 2 * r, row, 2);
-            }
-            for (int m = 0; m < n_chunks; ++m) {
-                store32(u + 64 * m + 4 * r, load32(row + qs_at + 4 * m));
-            }
+        for (; r < n_rows; ++r) {  // the rows left (and every row without SSE2) one by one
+            interleave_row(type, b + r * row_stride, r, h);
         }
     }
 }
@@ -521,10 +521,10 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
         interleave_group_words(type, src, row_stride, n_rows, n_sb, dst);
         return;
     }
-    const bool nibbles4 = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
     for (int64_t s = 0; s < n_sb; ++s) {
         int64_t r = 0;
 #if defined(__SSE2__)
+        const bool nibbles4 = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
         for (; nibbles4 && r + 4 <= n_rows; r += 4) {  // the scales row by row, the nibbles 4 rows at once
             for (int64_t i = r; i < r + 4; ++i) {
                 interleave_row(type, src + i * row_stride + s * sb_src, i, dst + s * sb_dst, false);
