@@ -96,6 +96,7 @@ class PrefillModel:
         self.n_nonresident = (~self.resident).sum(axis=1)  # per layer
         self.overhead = hw.layer_overhead_us * 1e-6
         self.sync = hw.sync_us * 1e-6
+        self._expert_times: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
 
     # -- unit times ------------------------------------------------------------------------
 
@@ -115,11 +116,15 @@ class PrefillModel:
     def experts_s(self, u: int, side: str, which: np.ndarray | None = None) -> np.ndarray:
         """Per layer: the experts a ubatch of u tokens uses (of `which`, bool [n_layer, n_expert],
         default all), computed on "gpu" or "cpu"."""
-        bw, rate = (self.hw.gpu_bw, self.gpu_flops) if side == "gpu" else (self.hw.cpu_bw, self.cpu_flops)
-        used = 1.0 - (1.0 - self.p) ** u                # probability each expert is used
-        tokens = u * self.p / np.maximum(used, 1e-300)  # its tokens, given that it is used
-        t = used * np.maximum(self.w_e / bw, tokens * self.f_e / rate)
-        return (t if which is None else np.where(which, t, 0.0)).sum(axis=1)
+        key = (u, side)
+        if key not in self._expert_times:  # `run` asks again per layer and per ubatch: once per size
+            bw, rate = (self.hw.gpu_bw, self.gpu_flops) if side == "gpu" else (self.hw.cpu_bw, self.cpu_flops)
+            used = 1.0 - (1.0 - self.p) ** u                # probability each expert is used
+            tokens = u * self.p / np.maximum(used, 1e-300)  # its tokens, given that it is used
+            t = used * np.maximum(self.w_e / bw, tokens * self.f_e / rate)
+            self._expert_times[key] = (t, t.sum(axis=1))
+        t, per_layer = self._expert_times[key]
+        return per_layer if which is None else np.where(which, t, 0.0).sum(axis=1)
 
     @property
     def copy_s(self) -> float:
