@@ -70,6 +70,7 @@ from orchestrator.runtime.native import DISK_READ  # noqa: E402
 from orchestrator.sim.disk import Disk, measure_disk  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
+WILLNEED_CHUNK = 128 << 10  # llama-experts-on-disk.cpp's madvise(WILLNEED) calls
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
 
 
@@ -85,6 +86,18 @@ def make_file(path: Path) -> Path:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_moe.py"), "qwen3-30b-a3b", str(path),
                         "--n-layer", "6"], check=True)
     return path
+
+
+def queue_setting(path: Path, name: str) -> int | None:
+    """A setting of the block device holding `path` (read_ahead_kb, max_sectors_kb): one
+    madvise/fadvise WILLNEED reads at most the larger of the two of a range, which is why the gate
+    advises 128 KiB at a time."""
+    dev = os.stat(path).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (block / "queue", block / ".." / "queue"):  # a partition's settings are its disk's
+        if (queue / name).exists():
+            return int((queue / name).read_text())
+    return None
 
 
 def disk_rates(path: Path, n_bytes: int = 512 << 20) -> dict:
@@ -131,8 +144,9 @@ def gate_rate(path: Path, expert_bytes: int, fill: int, k: int = 8, n_batches: i
     t, done, total = time.perf_counter(), 0, 0
     for _ in range(n_batches):
         ranges = [rng.randrange(0, size - third) & ~4095 for _ in range(3 * k)]
-        for off in ranges:
-            m.madvise(mmap.MADV_WILLNEED, off, third)
+        for off in ranges:  # 128 KiB a call, as the gate (a call reads at most the device's window)
+            for chunk in range(off, off + third, WILLNEED_CHUNK):
+                m.madvise(mmap.MADV_WILLNEED, chunk, min(WILLNEED_CHUNK, off + third - chunk))
         for off in ranges:
             total += sum(m[p] for p in range(off, off + third, 4096))
             done += third
@@ -392,7 +406,8 @@ def main() -> None:
         sys.exit(f"bench_disk: {path} ({size / 2**30:.2f} GiB) is not 3x --limit {args.limit}")
     print(f"CPU: {cpu_description()}")
     print(f"file {path.name} {size / 2**30:.2f} GiB, limit {limit / 2**30:.2f} GiB ({size / limit:.1f}x), "
-          f"2 threads, decode {args.n_gen} tokens", flush=True)
+          f"2 threads, decode {args.n_gen} tokens; its disk's read_ahead_kb {queue_setting(path, 'read_ahead_kb')}, "
+          f"max_sectors_kb {queue_setting(path, 'max_sectors_kb')} (a page fault reads the first, at most)", flush=True)
     others0, steal0, t0 = user_cpu_seconds(), steal_seconds(), time.monotonic()
     rates = disk_rates(path)
     measured = measure_disk(path)
@@ -445,6 +460,8 @@ def main() -> None:
           f"{'idle otherwise' if others_s < 0.02 * wall else 'NOT idle: another process ran'}")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_description(), "disk": rates, "limit": limit, "file_bytes": size,
+                                         "read_ahead_kb": queue_setting(path, "read_ahead_kb"),
+                                         "max_sectors_kb": queue_setting(path, "max_sectors_kb"),
                                          "steal_s": steal, "wall_s": wall, "others_cpu_s": others_s,
                                          "rows": rows}, indent=1))
 

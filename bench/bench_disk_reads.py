@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_cpu import cpu_description  # noqa: E402
-from bench_disk import DEFAULT_FILE, disk_rates, make_file, user_cpu_seconds  # noqa: E402
+from bench_disk import DEFAULT_FILE, disk_rates, make_file, queue_setting, user_cpu_seconds  # noqa: E402
 from memory_cgroup import drop_from_page_cache  # noqa: E402
 
 SOURCE = ROOT / "bench" / "disk_read_methods.c"
@@ -74,16 +74,6 @@ def expert_ranges(path: Path, n_experts: int, seed: int = 0) -> tuple[list[tuple
         chosen[b].append(rng.choice([e for e in range(n_expert) if e not in chosen[b]]))
     ranges = [(offset + e * per, per) for b in blocks for e in chosen[b] for offset, per, _ in sorted(layers[b])]
     return ranges, len(blocks), len(layers[blocks[0]])
-
-
-def read_ahead_kb(path: Path) -> int | None:
-    """The block device's read_ahead_kb: madvise/fadvise WILLNEED read at most this much of a range."""
-    dev = os.stat(path).st_dev
-    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    for queue in (block / "queue", block / ".." / "queue"):
-        if (queue / "read_ahead_kb").exists():
-            return int((queue / "read_ahead_kb").read_text())
-    return None
 
 
 def run_once(exe: Path, path: Path, method: str, depth: int, ranges_text: str) -> dict:
@@ -133,7 +123,7 @@ def main() -> None:
         print(f"CPU: {cpu_description()}")
         print(f"file {path.name} {path.stat().st_size / 2**30:.2f} GiB; {args.experts} experts over {n_layers} MoE "
               f"layers, {len(ranges)} ranges of {asked / len(ranges) / 2**10:.0f} KiB, {asked / 2**20:.1f} MiB a run; "
-              f"read_ahead_kb {read_ahead_kb(path)}; {args.repeats} repeats", flush=True)
+              f"read_ahead_kb {queue_setting(path, 'read_ahead_kb')}; {args.repeats} repeats", flush=True)
         others0, t0 = user_cpu_seconds(), time.monotonic()
         rates = disk_rates(path)
         runs: list[dict] = []
