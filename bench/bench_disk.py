@@ -29,7 +29,8 @@ run with no limit and the file in the page cache that takes the same draft lengt
 kernels and passes, no disk: its decode time). Each run's prediction starts from its twin's time;
 the row's is the median prediction. `replay`
 puts the trace through the live tier's own ranking (runtime/host_tier.py's HostTier, over a
-`ModelledDisk`) and adds the simulator's disk time (orchestrator/sim/disk.py's Disk, measured here):
+`ModelledDisk`) and adds the simulator's disk time (orchestrator/sim/disk.py's Disk, at the rate a
+gate's reads reach in the same limit, measured in the run):
 
     a pass's stall      each MoE layer's chosen experts not in memory, read at once while the layer
                         waits: Disk.read_s(3 reads per expert, their bytes)
@@ -71,6 +72,7 @@ from orchestrator.sim.disk import Disk, measure_disk  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
 WILLNEED_CHUNK = 128 << 10  # llama-experts-on-disk.cpp's madvise(WILLNEED) calls
+CALIBRATION_PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
 
 
@@ -125,34 +127,45 @@ def disk_rates(path: Path, n_bytes: int = 512 << 20) -> dict:
     return out
 
 
-def gate_rate(path: Path, expert_bytes: int, fill: int, k: int = 8, n_batches: int = 24) -> float:
-    """In its own process (in the limit): bytes/s of reads as a MoE layer's gate asks for them: k
-    experts at random offsets, each three ranges of a third of an expert, all advised (madvise
-    WILLNEED on a MADV_RANDOM mapping, as upstream maps lazy tensors) before the pages are touched.
-    `fill` bytes of the file are read first, so the limit is full and every read reclaims, as in a run."""
+def gate_reads(path: Path, expert_bytes: int, limit: int, k: int = 8, n_batches: int = 24) -> dict:
+    """In its own process (in the limit): a MoE layer's gate's reads, as the engine's limit holds them.
+    Half the limit is a resident region (the file's first bytes: the engine's other weights), touched
+    before every batch so that it stays in use; the limit is filled from the file's end. A batch is k
+    experts at random offsets between the two, three ranges of a third of an expert each, all advised
+    (madvise WILLNEED, 128 KiB a call, on a MADV_RANDOM mapping, as upstream maps lazy tensors) before
+    their pages are touched, left mapped (as the matmuls leave them): every page read reclaims another.
+    Returns {"read_bytes_per_s": the batches' bytes over their time (the resident touches left out),
+    "advise_cpu_s_per_byte": the CPU time of the advice calls per byte, its charge and reclaim}."""
     import mmap
 
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        for off in range(0, min(fill, size), 8 << 20):
-            os.pread(f.fileno(), 8 << 20, size - min(fill, size) + off)
-    rng = random.Random(1)
-    third = expert_bytes // 3 & ~4095
+    resident, fill = limit // 2, limit
+    if resident + fill + expert_bytes >= size:
+        raise ValueError(f"{path}: {size} bytes is too small for a gate probe in a {limit}-byte limit")
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        for off in range(0, fill, 8 << 20):
+            os.pread(f.fileno(), 8 << 20, size - fill + off)
     m.madvise(mmap.MADV_RANDOM)
-    t, done, total = time.perf_counter(), 0, 0
+    pages = np.frombuffer(m, dtype=np.uint8)
+    rng = random.Random(1)
+    third = expert_bytes // 3 & ~4095
+    wall = advise_cpu = 0.0
+    done = 0
     for _ in range(n_batches):
-        ranges = [rng.randrange(0, size - third) & ~4095 for _ in range(3 * k)]
+        int(pages[:resident:4096].sum())  # the other weights, used by every pass
+        ranges = [rng.randrange(resident, size - fill - third) & ~4095 for _ in range(3 * k)]
+        t, cpu = time.perf_counter(), time.thread_time()
         for off in ranges:  # 128 KiB a call, as the gate (a call reads at most the device's window)
             for chunk in range(off, off + third, WILLNEED_CHUNK):
                 m.madvise(mmap.MADV_WILLNEED, chunk, min(WILLNEED_CHUNK, off + third - chunk))
+        advise_cpu += time.thread_time() - cpu
         for off in ranges:
-            total += sum(m[p] for p in range(off, off + third, 4096))
+            int(pages[off:off + third:4096].sum())
             done += third
-        for off in ranges:
-            m.madvise(mmap.MADV_DONTNEED, off, third)
-    return done / (time.perf_counter() - t)
+        wall += time.perf_counter() - t
+    del pages
+    return {"read_bytes_per_s": done / wall, "advise_cpu_s_per_byte": advise_cpu / done}
 
 
 def in_limit(cmd: list[str], limit: int, path: Path) -> tuple[str, dict]:
@@ -231,7 +244,20 @@ def generate_with_gammas(gammas_file: Path, args: list[str]) -> None:
     app(["generate", *args], standalone_mode=False)
 
 
-def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, disk=None, repeats: int = 1) -> dict:
+def calibrate_advice(path: Path, limit: int, n_gen: int) -> float:
+    """Seconds the engine's gates spend asking for a byte in the limit (spac_disk_stats.gate_advise_ns
+    over bytes_stalled; the graph threads' times summed): a run of its own, no read ahead, on another
+    prompt than the rows'. A lone thread's madvise costs a third of it (the gate probe): in the engine
+    both graph threads ask at once, beside the pages the run keeps in use."""
+    args = ["-m", str(path), "-t", str(GATE_THREADS), "--temp", "0", "-n", str(n_gen), "-c", "512", "--json",
+            "--draft", "none", "--no-disk-read-ahead", CALIBRATION_PROMPT]
+    out, _ = in_limit([str(ROOT / ".venv" / "bin" / "spac"), "generate", *args], limit, path)
+    tier = json.loads(out)["host_tier"]
+    return tier["gate_advise_ns"] * 1e-9 / max(tier["bytes_stalled"], 1)
+
+
+def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, disk=None, repeats: int = 1,
+             advise_s_per_byte: float = 0.0) -> dict:
     """A spac row in the limit, run `repeats` times: the median run's numbers, every run's decode
     tok/s beside them. With `disk` (a sim Disk), its decode time predicted too (`predict`)."""
     args = ["-m", str(path), "-t", "2", "--temp", "0", "-n", str(n_gen), "-c", "512", "--json", *flags, PROMPT]
@@ -256,11 +282,12 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
            "peak": max(r["rep"]["peak"] for r in runs),
            "same_tokens_every_run": all(r["out"]["tokens"] == d["tokens"] for r in runs)}
     if disk is not None and tier.get("experts_on_disk"):
-        row |= predict(path, args, runs, disk, "--no-disk-read-ahead" not in flags)
+        row |= predict(path, args, runs, disk, "--no-disk-read-ahead" not in flags, advise_s_per_byte)
     return row
 
 
 READS_PER_EXPERT = 3  # an expert's gate, up and down matrices: three ranges of the file
+GATE_THREADS = 2  # the rows' -t: every graph thread asks for a share of a gate's experts
 
 
 class ModelledDisk:
@@ -291,16 +318,18 @@ class ModelledDisk:
 
 
 def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk: Disk, t_decode_memory: float,
-           read_ahead: bool = True) -> dict:
+           read_ahead: bool = True, advise_s_per_byte: float = 0.0) -> dict:
     """trace: HostTier.trace of a live run, [(kind, ids [n_layer, n_tokens, k], on_device or None)];
-    t_decode_memory: that run's decode seconds with every weight in memory. Returns the predicted
-    decode seconds, and the stalls and bytes read the replay counted."""
+    t_decode_memory: that run's decode seconds with every weight in memory; advise_s_per_byte: the
+    engine's time asking for a byte in the limit (`calibrate_advice`), GATE_THREADS threads sharing
+    it, before the disk's time. Returns the predicted decode seconds, and the stalls and bytes read the
+    replay counted."""
     n_layer = trace[0][1].shape[0]
     modelled = ModelledDisk(n_layer, n_expert)
     tier = HostTier(modelled, n_layer, n_expert, capacity, read_ahead=read_ahead)
     t_pass = t_decode_memory / max(sum(1 for kind, *_ in trace[1:] if kind == "pass"), 1)
     stall_s = ahead_s = 0.0
-    n_stalls = n_bytes = 0
+    n_stalls = n_bytes = decode_bytes = 0
     for i, (kind, ids, on_device) in enumerate(trace):
         if kind == "lookahead":
             tier.lookahead(ids)
@@ -309,7 +338,9 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
             modelled.set_on_device(on_device)
         pending = modelled.pending.sum()
         if i > 0 and pending:  # the reads ahead ran while this pass computed
-            ahead_s += max(disk.read_s(READS_PER_EXPERT * int(pending), pending * expert_bytes) - t_pass, 0.0)
+            nbytes = pending * expert_bytes
+            ahead_s += max(disk.read_s(READS_PER_EXPERT * int(pending), nbytes) - t_pass, 0.0)
+            ahead_s += advise_s_per_byte * nbytes / GATE_THREADS  # on the loop's thread: a core the graph lacks
         modelled.pending[:] = False
         for m in range(n_layer):
             chosen = np.unique(ids[m][ids[m] >= 0])
@@ -319,14 +350,18 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
                 n_stalls += missing.size
                 n_bytes += int(missing.size * expert_bytes)
                 if i > 0:
-                    stall_s += disk.read_s(READS_PER_EXPERT * missing.size, missing.size * expert_bytes)
+                    nbytes = missing.size * expert_bytes
+                    decode_bytes += nbytes
+                    stall_s += (disk.read_s(READS_PER_EXPERT * missing.size, nbytes)
+                                + advise_s_per_byte * nbytes / GATE_THREADS)
                 modelled.in_memory[m, missing] = True
         tier.after_pass(ids, on_device)
     return {"decode_s": t_decode_memory + stall_s + ahead_s, "stall_s": stall_s, "read_ahead_wait_s": ahead_s,
-            "stalls": n_stalls, "bytes_read": n_bytes}
+            "stalls": n_stalls, "bytes_read": n_bytes, "decode_stall_bytes": decode_bytes}
 
 
-def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: bool) -> dict:
+def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: bool,
+            advise_s_per_byte: float = 0.0) -> dict:
     """The predicted decode tok/s of a live tier row: each run's trace `replay`ed on the decode time
     of its twin, the same command without the limit, the file in the page cache, a tier just over
     the experts and the run's draft lengths (the same kernels and passes, no disk); the median
@@ -345,15 +380,16 @@ def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: boo
         tier, live = run["out"]["host_tier"], run["out"]
         trace = pickle.loads(run["trace"].read_bytes())
         n_expert = int(tier["expert_bytes"] // tier["one_expert_bytes"] // len(trace[0][1]))
-        got = replay(trace, tier["capacity"], n_expert, tier["one_expert_bytes"], disk, twin["decode_s"], read_ahead)
+        got = replay(trace, tier["capacity"], n_expert, tier["one_expert_bytes"], disk, twin["decode_s"], read_ahead,
+                     advise_s_per_byte)
         predicted.append((live["n_tokens"] - 1) / got["decode_s"])
-        stalls.append(got["stalls"])
+        stalls.append(got)
     mid = int(np.argsort(predicted)[len(predicted) // 2])
     n_tokens = runs[0]["out"]["n_tokens"]
     return {"predicted_decode_tok_s": predicted[mid], "predicted_decode_tok_s_runs": sorted(predicted),
             "memory_decode_tok_s": (n_tokens - 1) / memory[mid]["decode_s"],
             "memory_decode_tok_s_runs": sorted((m["n_tokens"] - 1) / m["decode_s"] for m in memory),
-            "predicted_stalls": stalls[mid],
+            "predicted_stalls": stalls[mid]["stalls"], "predicted_decode_stall_bytes": stalls[mid]["decode_stall_bytes"],
             "same_tokens_in_memory": all(m["tokens"] == runs[0]["out"]["tokens"] for m in memory)}
 
 
@@ -383,11 +419,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
     ap.add_argument("--gammas", type=Path, help=argparse.SUPPRESS)  # a spac row's run in memory
-    ap.add_argument("--gate-rate", type=int, help=argparse.SUPPRESS)  # gate_rate's process: an expert's bytes
+    ap.add_argument("--gate-reads", type=int, help=argparse.SUPPRESS)  # gate_reads' process: an expert's bytes
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.gate_rate:
-        print(gate_rate(args.file, args.gate_rate, memory_cgroup.parse_size(args.limit)))
+    if args.gate_reads:
+        print(json.dumps(gate_reads(args.file, args.gate_reads, memory_cgroup.parse_size(args.limit))))
         return
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if args.record:
@@ -411,26 +447,31 @@ def main() -> None:
     others0, steal0, t0 = user_cpu_seconds(), steal_seconds(), time.monotonic()
     rates = disk_rates(path)
     measured = measure_disk(path)
-    # the simulator's disk is the profile `spac sim profile measure` takes (sim/disk.py's measure_disk);
-    # a gate's reads in this limit with nothing else running are printed beside it: in two runs
-    # (rows-7, rows-8) the profile predicted the rows without a draft within 35% and 2%, the gate's
-    # rate within 57% and 36% (docs/benchmarks.md)
-    out, _ = in_limit([sys.executable, __file__, "--file", str(path), "--limit", args.limit, "--gate-rate",
+    # the replay's disk: the rate of a gate's reads in this limit (expert ranges at random offsets,
+    # 128 KiB advice calls, every page read reclaiming another) with the latency and queue depth of the
+    # simulator's profile (sim/disk.py's measure_disk, `spac sim profile measure`, whose rate, 1 MiB
+    # reads outside the limit, is printed beside it); and the engine's own time asking for a byte
+    # (calibrate_advice). Until 2026-11-29 the replay took the profile's rate alone, and the gate
+    # probe read ranges that filling the limit had cached (docs/benchmarks.md)
+    out, _ = in_limit([sys.executable, __file__, "--file", str(path), "--limit", args.limit, "--gate-reads",
                        str(expert_bytes(path))], limit, path)
-    disk = measured
+    gate = json.loads(out)
+    disk = Disk(gate["read_bytes_per_s"], measured.latency_s, measured.queue_depth)
+    advise = calibrate_advice(path, limit, args.n_gen)
     print("disk: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in rates.items())
-          + f"; a gate's reads in the limit {float(out) / 1e6:.0f} MB/s; sim/disk.py's measure (the "
-          f"replay's disk): {measured.read_bytes_per_s / 1e6:.0f} MB/s, {disk.latency_s * 1e6:.0f} us, "
-          f"queue depth {disk.queue_depth}", flush=True)
+          + f"; a gate's reads in the limit (the replay's disk) {disk.read_bytes_per_s / 1e6:.0f} MB/s, "
+          f"{disk.latency_s * 1e6:.0f} us, queue depth {disk.queue_depth}; sim/disk.py's measure "
+          f"{measured.read_bytes_per_s / 1e6:.0f} MB/s; asking for a GB: the engine's gates {advise * 1e9:.2f} s "
+          f"(the calibration run), a lone thread's madvise {gate['advise_cpu_s_per_byte'] * 1e9:.2f} CPU-s", flush=True)
     spac_tier = ["--draft", "none"]  # -c 512 in every spac row: llama-bench's context is its own tokens
     rows = [llama_row("llama-mmap", path, limit, ["--repack", "0"], args.n_prompt, args.n_gen),
             llama_row("llama-mmap-repack", path, limit, [], args.n_prompt, args.n_gen),
             spac_row("spac-mmap", path, limit, [*spac_tier, "--host-budget", f"{2 * size}"], args.n_gen),
             spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen, disk,
-                     args.repeats),
-            spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk, args.repeats),
+                     args.repeats, advise),
+            spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk, args.repeats, advise),
             spac_row("spac-tier-sd", path, limit, ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"],
-                     args.n_gen, disk, args.repeats)]
+                     args.n_gen, disk, args.repeats, advise)]
     others = user_cpu_seconds()
     mine = {os.getpid()}
     others_s = sum(v - others0.get(pid, 0.0) for pid, v in others.items() if pid not in mine)
@@ -462,6 +503,9 @@ def main() -> None:
         args.json.write_text(json.dumps({"cpu": cpu_description(), "disk": rates, "limit": limit, "file_bytes": size,
                                          "read_ahead_kb": queue_setting(path, "read_ahead_kb"),
                                          "max_sectors_kb": queue_setting(path, "max_sectors_kb"),
+                                         "replay_disk": {"read_bytes_per_s": disk.read_bytes_per_s,
+                                                         "latency_s": disk.latency_s, "queue_depth": disk.queue_depth,
+                                                         "advise_s_per_byte": advise},
                                          "steal_s": steal, "wall_s": wall, "others_cpu_s": others_s,
                                          "rows": rows}, indent=1))
 

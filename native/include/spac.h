@@ -261,6 +261,8 @@ struct spac_disk_stats {
     uint64_t n_read_ahead;     // experts asked for by SPAC_DISK_READ that were not wholly in memory
     uint64_t bytes_read_ahead; // their bytes not in memory then
     uint64_t n_dropped;        // experts given SPAC_DISK_DROP
+    uint64_t gate_advise_ns;   // time the gates' threads spent asking for the stalls' bytes (madvise
+                               // WILLNEED: in a full memory cgroup it charges and reclaims), summed
 };
 
 // true when the model's routed experts are read from the disk (LLAMA_LAZY_MODE_EXPERTS)

@@ -6,6 +6,7 @@
 #include "ggml.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #ifdef __linux__
@@ -180,9 +181,12 @@ void llama_experts_on_disk::gate_layer(const layer & l, const int32_t * ids, int
         if (missing > 0) {
             n_stalls++;
             bytes_stalled += (uint64_t) missing;
+            const auto start = std::chrono::steady_clock::now();
             for (const ggml_tensor * w : l.weights) {
                 span_advise(expert_span(w, e), SPAC_DISK_READ);
             }
+            gate_advise_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - start).count();
         }
     }
 }
@@ -207,9 +211,10 @@ void llama_experts_on_disk::get_stats(spac_disk_stats & out) const {
     out.n_read_ahead     = n_read_ahead;
     out.bytes_read_ahead = bytes_read_ahead;
     out.n_dropped        = n_dropped;
+    out.gate_advise_ns   = gate_advise_ns;
 }
 
 void llama_experts_on_disk::reset_stats() {
     n_gate_experts = n_stalls = bytes_stalled = 0;
-    n_read_ahead = bytes_read_ahead = n_dropped = 0;
+    n_read_ahead = bytes_read_ahead = n_dropped = gate_advise_ns = 0;
 }

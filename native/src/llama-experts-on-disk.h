@@ -59,6 +59,7 @@ private:
 
     std::atomic<uint64_t> n_gate_experts{0}, n_stalls{0}, bytes_stalled{0};
     std::atomic<uint64_t> n_read_ahead{0}, bytes_read_ahead{0}, n_dropped{0};
+    std::atomic<uint64_t> gate_advise_ns{0};
 
     bool valid(int il, int expert) const;
     void gate_layer(const layer & l, const int32_t * ids, int64_t n, int ith, int nth);

@@ -113,6 +113,7 @@ class SpacDiskStats(ctypes.Structure):
         ("n_read_ahead", c_uint64),
         ("bytes_read_ahead", c_uint64),
         ("n_dropped", c_uint64),
+        ("gate_advise_ns", c_uint64),
     ]
 
 
