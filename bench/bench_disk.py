@@ -72,6 +72,7 @@ from orchestrator.sim.disk import Disk, measure_disk  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
 WILLNEED_CHUNK = 128 << 10  # llama-experts-on-disk.cpp's madvise(WILLNEED) calls
+THREADS = 2  # every row's -t; each graph thread asks for a share of a gate's experts
 CALIBRATION_PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 7)  # about 64 tokens
 
@@ -184,7 +185,7 @@ def llama_row(name: str, path: Path, limit: int, settings: list[str], n_prompt: 
     bench = str(stock_program("llama-bench"))
     row = {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": 0, "stalls": 0, "oom": False}
     for key, p, n in (("prompt_tok_s", n_prompt, 0), ("decode_tok_s", 0, n_gen)):
-        out, rep = in_limit([bench, "-m", str(path), "-t", "2", "-p", str(p), "-n", str(n), "-r", "1", "-lm", "mmap",
+        out, rep = in_limit([bench, "-m", str(path), "-t", str(THREADS), "-p", str(p), "-n", str(n), "-r", "1", "-lm", "mmap",
                              *settings, "-o", "json"], limit, path)
         if rep["oom_kills"]:
             row["oom"] = True
@@ -249,7 +250,7 @@ def calibrate_advice(path: Path, limit: int, n_gen: int) -> float:
     over bytes_stalled; the graph threads' times summed): a run of its own, no read ahead, on another
     prompt than the rows'. A lone thread's madvise costs a third of it (the gate probe): in the engine
     both graph threads ask at once, beside the pages the run keeps in use."""
-    args = ["-m", str(path), "-t", str(GATE_THREADS), "--temp", "0", "-n", str(n_gen), "-c", "512", "--json",
+    args = ["-m", str(path), "-t", str(THREADS), "--temp", "0", "-n", str(n_gen), "-c", "512", "--json",
             "--draft", "none", "--no-disk-read-ahead", CALIBRATION_PROMPT]
     out, _ = in_limit([str(ROOT / ".venv" / "bin" / "spac"), "generate", *args], limit, path)
     tier = json.loads(out)["host_tier"]
@@ -260,7 +261,7 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
              advise_s_per_byte: float = 0.0) -> dict:
     """A spac row in the limit, run `repeats` times: the median run's numbers, every run's decode
     tok/s beside them. With `disk` (a sim Disk), its decode time predicted too (`predict`)."""
-    args = ["-m", str(path), "-t", "2", "--temp", "0", "-n", str(n_gen), "-c", "512", "--json", *flags, PROMPT]
+    args = ["-m", str(path), "-t", str(THREADS), "--temp", "0", "-n", str(n_gen), "-c", "512", "--json", *flags, PROMPT]
     runs = []
     for i in range(repeats):
         trace_path = ROOT / "runs" / "bench_disk" / f"{name}-{i}.trace"
@@ -287,7 +288,6 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
 
 
 READS_PER_EXPERT = 3  # an expert's gate, up and down matrices: three ranges of the file
-GATE_THREADS = 2  # the rows' -t: every graph thread asks for a share of a gate's experts
 
 
 class ModelledDisk:
@@ -321,8 +321,8 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
            read_ahead: bool = True, advise_s_per_byte: float = 0.0) -> dict:
     """trace: HostTier.trace of a live run, [(kind, ids [n_layer, n_tokens, k], on_device or None)];
     t_decode_memory: that run's decode seconds with every weight in memory; advise_s_per_byte: the
-    engine's time asking for a byte in the limit (`calibrate_advice`), GATE_THREADS threads sharing
-    it, before the disk's time. Returns the predicted decode seconds, and the stalls and bytes read the
+    engine's time asking for a byte in the limit (`calibrate_advice`, the graph threads' times summed),
+    THREADS threads sharing it, before the disk's time. Returns the predicted decode seconds, and the stalls and bytes read the
     replay counted."""
     n_layer = trace[0][1].shape[0]
     modelled = ModelledDisk(n_layer, n_expert)
@@ -340,7 +340,9 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
         if i > 0 and pending:  # the reads ahead ran while this pass computed
             nbytes = pending * expert_bytes
             ahead_s += max(disk.read_s(READS_PER_EXPERT * int(pending), nbytes) - t_pass, 0.0)
-            ahead_s += advise_s_per_byte * nbytes / GATE_THREADS  # on the loop's thread: a core the graph lacks
+            # asked for on the loop's thread, which takes a core from the graph: about what a lone gate
+            # thread spends (1.03-1.09 s per GB, against 1.5-1.7 summed over two asking at once)
+            ahead_s += advise_s_per_byte * nbytes / THREADS
         modelled.pending[:] = False
         for m in range(n_layer):
             chosen = np.unique(ids[m][ids[m] >= 0])
@@ -353,7 +355,7 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
                     nbytes = missing.size * expert_bytes
                     decode_bytes += nbytes
                     stall_s += (disk.read_s(READS_PER_EXPERT * missing.size, nbytes)
-                                + advise_s_per_byte * nbytes / GATE_THREADS)
+                                + advise_s_per_byte * nbytes / THREADS)
                 modelled.in_memory[m, missing] = True
         tier.after_pass(ids, on_device)
     return {"decode_s": t_decode_memory + stall_s + ahead_s, "stall_s": stall_s, "read_ahead_wait_s": ahead_s,
@@ -375,7 +377,7 @@ def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: boo
     memory = [json.loads(subprocess.run([sys.executable, __file__, "--gammas", str(gammas_path(run["trace"])), "--",
                                          *memory_args], capture_output=True, text=True, check=True).stdout)
               for run in runs]
-    predicted, stalls = [], []
+    predicted, replays = [], []
     for run, twin in zip(runs, memory):
         tier, live = run["out"]["host_tier"], run["out"]
         trace = pickle.loads(run["trace"].read_bytes())
@@ -383,13 +385,13 @@ def predict(path: Path, args: list[str], runs: list[dict], disk, read_ahead: boo
         got = replay(trace, tier["capacity"], n_expert, tier["one_expert_bytes"], disk, twin["decode_s"], read_ahead,
                      advise_s_per_byte)
         predicted.append((live["n_tokens"] - 1) / got["decode_s"])
-        stalls.append(got)
+        replays.append(got)
     mid = int(np.argsort(predicted)[len(predicted) // 2])
     n_tokens = runs[0]["out"]["n_tokens"]
     return {"predicted_decode_tok_s": predicted[mid], "predicted_decode_tok_s_runs": sorted(predicted),
             "memory_decode_tok_s": (n_tokens - 1) / memory[mid]["decode_s"],
             "memory_decode_tok_s_runs": sorted((m["n_tokens"] - 1) / m["decode_s"] for m in memory),
-            "predicted_stalls": stalls[mid]["stalls"], "predicted_decode_stall_bytes": stalls[mid]["decode_stall_bytes"],
+            "predicted_stalls": replays[mid]["stalls"], "predicted_decode_stall_bytes": replays[mid]["decode_stall_bytes"],
             "same_tokens_in_memory": all(m["tokens"] == runs[0]["out"]["tokens"] for m in memory)}
 
 
@@ -442,7 +444,7 @@ def main() -> None:
         sys.exit(f"bench_disk: {path} ({size / 2**30:.2f} GiB) is not 3x --limit {args.limit}")
     print(f"CPU: {cpu_description()}")
     print(f"file {path.name} {size / 2**30:.2f} GiB, limit {limit / 2**30:.2f} GiB ({size / limit:.1f}x), "
-          f"2 threads, decode {args.n_gen} tokens; its disk's read_ahead_kb {queue_setting(path, 'read_ahead_kb')}, "
+          f"{THREADS} threads, decode {args.n_gen} tokens; its disk's read_ahead_kb {queue_setting(path, 'read_ahead_kb')}, "
           f"max_sectors_kb {queue_setting(path, 'max_sectors_kb')} (a page fault reads the first, at most)", flush=True)
     others0, steal0, t0 = user_cpu_seconds(), steal_seconds(), time.monotonic()
     rates = disk_rates(path)
