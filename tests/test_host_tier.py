@@ -172,8 +172,9 @@ def reference(big_file):
 
 
 @pytest.mark.parametrize("flags", [("--draft", "none"), ("--draft", "none", "--no-disk-read-ahead"),
-                                   ("--draft", "pool", "--device", "CPU", "--expert-budget", "5%")],
-                         ids=["target-only", "no-read-ahead", "pool-draft"])
+                                   ("--draft", "pool", "--device", "CPU", "--expert-budget", "5%"),
+                                   ("--draft", "none", "--mlock")],  # the other weights locked, the experts not
+                         ids=["target-only", "no-read-ahead", "pool-draft", "mlock"])
 def test_under_half_the_file_gives_the_unlimited_runs_tokens(big_file, reference, flags):
     limit = big_file.stat().st_size * 45 // 100
     proc, report = generate(big_file, *flags, limit=limit)
