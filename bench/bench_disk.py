@@ -252,7 +252,7 @@ def calibrate_advice(path: Path, limit: int, n_gen: int) -> float:
     both graph threads ask at once, beside the pages the run keeps in use."""
     args = ["-m", str(path), "-t", str(THREADS), "--temp", "0", "-n", str(n_gen), "-c", "512", "--json",
             "--draft", "none", "--no-disk-read-ahead", CALIBRATION_PROMPT]
-    out, _ = in_limit([str(ROOT / ".venv" / "bin" / "spac"), "generate", *args], limit, path)
+    out, _ = in_limit([sys.executable, "-m", "orchestrator.cli", "generate", *args], limit, path)
     tier = json.loads(out)["host_tier"]
     return tier["gate_advise_ns"] * 1e-9 / max(tier["bytes_stalled"], 1)
 
@@ -349,10 +349,10 @@ def replay(trace: list, capacity: int, n_expert: int, expert_bytes: float, disk:
             chosen = chosen[~modelled.on_device[m, chosen]]
             missing = chosen[~modelled.in_memory[m, chosen]]
             if missing.size:
+                nbytes = missing.size * expert_bytes
                 n_stalls += missing.size
-                n_bytes += int(missing.size * expert_bytes)
+                n_bytes += int(nbytes)
                 if i > 0:
-                    nbytes = missing.size * expert_bytes
                     decode_bytes += nbytes
                     stall_s += (disk.read_s(READS_PER_EXPERT * missing.size, nbytes)
                                 + advise_s_per_byte * nbytes / THREADS)
