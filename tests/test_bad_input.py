@@ -346,7 +346,12 @@ class _Run:
 
     def finish(self, timeout: float = 30) -> int:
         """The exit code, once the process has ended and all of its output is read."""
-        rc = self.proc.wait(timeout=timeout)
+        printed = len(self.out)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"not ended within {timeout} s; it printed {len(self.out) - printed} characters more "
+                        f"meanwhile\nstdout: {self.text()[-500:]}\nstderr: {''.join(self.err)[-2000:]}")
         for reader in self._readers:
             reader.join(timeout)  # end of file once the process is gone
         return rc
@@ -395,6 +400,28 @@ def test_ctrl_c_in_generate_says_interrupted_exit_130(json_out):
         assert json.loads(run.text().strip().splitlines()[-1])["stop_reason"] == "interrupted", err
     else:
         assert "stop: interrupted" in err
+
+
+# Python's own SIGINT handler raises KeyboardInterrupt in whatever code runs when the signal is
+# handled; in a finalizer (here a generator closed as it is dropped) the exception is printed and
+# lost, and an endless generation went on. This hook sends the signal from one, after the first step
+_CTRL_C_IN_A_FINALIZER = (
+    "import os, signal, sys\nfrom orchestrator.decoding.speculative import Session\ninit = Session.__init__\n"
+    "def hooked(self, *a, **k):\n    init(self, *a, **k)\n    said = []\n"
+    "    def first_step(seconds):\n        if said:\n            return\n        said.append(1)\n"
+    "        def finalized():\n            try:\n                yield\n            finally:\n"
+    "                os.kill(os.getpid(), signal.SIGINT)\n                sum(range(10000))\n"
+    "        dropped = finalized()\n        next(dropped)\n        del dropped\n"
+    "    self.on_verify_step = first_step\n"
+    "Session.__init__ = hooked\n"
+    "from orchestrator.cli.main import main; sys.argv[0] = 'spac'; main()")
+
+
+def test_ctrl_c_handled_in_a_finalizer_still_stops_the_generation():
+    res = spac("generate", "x", "-t", "1", "-n", "-1", "-c", "100000", "--temp", "0", "--json",
+               python_code=_CTRL_C_IN_A_FINALIZER, timeout=120)
+    assert res.returncode == 130, res.err
+    assert json.loads(res.out.strip().splitlines()[-1])["stop_reason"] == "interrupted", res.err
 
 
 def test_ctrl_c_while_loading_is_never_lost():

@@ -42,7 +42,7 @@ from orchestrator.cli.setup import open_session, session_setup
 from orchestrator.decoding.speculative import EXACT_ROWS, Session
 from orchestrator.runtime import progress, rpc
 from orchestrator.runtime.host_layout import set_batch_invariant_rows
-from orchestrator.runtime.llm import ModelError, deferred_sigint
+from orchestrator.runtime.llm import ModelError, deferred_sigint, sigint_noted
 from orchestrator.runtime.native import NativeError
 from orchestrator.sim import cli as sim_cli
 
@@ -214,15 +214,12 @@ def generate(
         if not json_out:
             err.print(Text(_describe(session, setup), style="dim"), soft_wrap=True)
         try:
-            chunks = session.generate(text, max_tokens, opts.stop, opts.sampling())
-            try:
-                for chunk in chunks:
+            # Ctrl-C ends the generation before its next step, the caches kept valid
+            with sigint_noted() as stop_requested:
+                for chunk in session.generate(text, max_tokens, opts.stop, opts.sampling(), stop_requested):
                     if not json_out:
                         _write(chunk)
-            except KeyboardInterrupt:
-                interrupted = True
-                with deferred_sigint():  # a second Ctrl-C while the caches are trimmed waits
-                    chunks.close()
+            interrupted = stop_requested()
         except (ModelError, ValueError, FloatingPointError) as e:
             fail(_nan_output(session) or str(e))
         if _nan_output(session):
@@ -352,10 +349,11 @@ def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> 
                            "/reset starts a new conversation", style="red"))
         return "", False, False
     text = ""
-    chunks = session.generate(tokens, max_tokens, stop, sampling)
-    with Live(view("..."), console=console, refresh_per_second=8, transient=False) as live:
+    # Ctrl-C ends the answer before its next step; a quick second one is noted too, not raised
+    with sigint_noted() as stop_requested, \
+            Live(view("..."), console=console, refresh_per_second=8, transient=False) as live:
         try:
-            for chunk in chunks:
+            for chunk in session.generate(tokens, max_tokens, stop, sampling, stop_requested):
                 text += chunk
                 pending += chunk
                 *done, pending = pending.split("\n")
@@ -365,14 +363,12 @@ def _answer(console: Console, session, messages, max_tokens, stop, sampling) -> 
                 for row in done:
                     live.console.print(Text(row), soft_wrap=True)
                 live.update(view(status_line()))
-        except KeyboardInterrupt:
-            with deferred_sigint():  # a second quick Ctrl-C must not end the session here
-                chunks.close()
-                live.update(view(status_line() + " | interrupted"))
-            return text, True, True
         except ModelError as e:
             live.update(view(f"error: {context_hint(e)}"))
             return text, False, False
+        if stop_requested():
+            live.update(view(status_line() + " | interrupted"))
+            return text, True, True
         m = session.last_metrics
         summary = m.summary()
         if m.stop_reason == "context":

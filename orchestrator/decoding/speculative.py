@@ -460,11 +460,13 @@ class Session:
         return Completion(text, list(self.last_tokens), self.last_metrics)
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, stop: Sequence[str] = (),
-                 sampling: SamplingParams = SamplingParams()) -> Iterator[str]:
+                 sampling: SamplingParams = SamplingParams(),
+                 stop_requested: Callable[[], bool] = lambda: False) -> Iterator[str]:
         """Stream the text of up to max_tokens new tokens; metrics in `last_metrics` at the end.
 
         Stops at an end-of-generation token (not part of the text), at a stop string (text cut
-        before it), at max_tokens, or when the context is full."""
+        before it), at max_tokens, when the context is full, or once stop_requested() (asked
+        before each step: a noted Ctrl-C, `runtime.llm.sigint_noted`) with reason "interrupted"."""
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not prompt_tokens:
             raise ValueError("empty prompt (and the model adds no BOS token)")
@@ -483,6 +485,9 @@ class Session:
             reason = "length"
             pending = [first]  # the prompt pass's own next token
             while n_out < max_tokens:
+                if stop_requested():
+                    reason = "interrupted"
+                    break
                 room = self.n_ctx - len(self._tokens)
                 if room < 1:
                     reason = "context"

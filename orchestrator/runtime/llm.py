@@ -85,10 +85,12 @@ DEFAULT_REPACK = host_layout.Repack.AUTO
 
 
 @contextmanager
-def deferred_sigint() -> Iterator[Callable[[], bool]]:
-    """Hold Ctrl-C during a long native call: it is remembered (the yielded function says
-    whether it came) and raised as KeyboardInterrupt once the call has returned. Raised inside
-    a ctypes callback instead, Python would print it and carry on."""
+def sigint_noted() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C only noted while the block runs (the yielded function says whether it came); the
+    caller stops where it chooses. Python's own handler raises KeyboardInterrupt in whatever code
+    runs when the signal is handled, and where that is a finalizer (a generator closed by the
+    garbage collector, an object's __del__) or a ctypes callback, the exception is printed and
+    lost: the run goes on as if no key was pressed."""
     if threading.current_thread() is not threading.main_thread():
         yield lambda: False
         return
@@ -98,7 +100,15 @@ def deferred_sigint() -> Iterator[Callable[[], bool]]:
         yield lambda: bool(hit)
     finally:
         signal.signal(signal.SIGINT, previous)
-    if hit:
+
+
+@contextmanager
+def deferred_sigint() -> Iterator[Callable[[], bool]]:
+    """Hold Ctrl-C during a long native call: it is noted (`sigint_noted`) and raised as
+    KeyboardInterrupt once the block has run."""
+    with sigint_noted() as interrupted:
+        yield interrupted
+    if interrupted():
         raise KeyboardInterrupt
 
 
