@@ -15,7 +15,9 @@ a 6-layer Qwen3-30B-A3B-shaped Q4_0 file, made once under runs/). The rows:
   spac-tier-no-read-ahead    the experts on the disk, read only when a pass uses them
   spac-tier                  ... and read ahead after every pass
   spac-tier-sd               ... with speculation: the pool draft (a CPU pool of 5%) names the experts
-                             the verify pass will use while it drafts
+                             the verify pass will use while it drafts; with -md FILE, that draft model
+                             instead (the default file's random weights give the pool draft nothing to
+                             agree on: its acceptance is 0)
 
 Per row: decode and prompt tok/s, the bytes the row's process read from the disk (getrusage's
 block reads) and its stalls: a spac gate's expert that was not in memory, llama.cpp's major page
@@ -280,6 +282,7 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
            "prompt_tok_s": d["n_prompt_tokens"] / d["prefill_s"], "bytes_read": rep["bytes_read"],
            "stalls": tier.get("stalls", rep["majflt"]), "majflt": rep["majflt"], "oom": False,
            "hits": tier.get("hits"), "tokens": d["tokens"], "acceptance_rate": d.get("acceptance_rate"),
+           "tokens_per_step": d.get("tokens_per_step"),
            "peak": max(r["rep"]["peak"] for r in runs),
            "same_tokens_every_run": all(r["out"]["tokens"] == d["tokens"] for r in runs)}
     if disk is not None and tier.get("experts_on_disk"):
@@ -418,6 +421,8 @@ def main() -> None:
     ap.add_argument("--n-gen", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each spac row and of its run in memory (medians reported; llama.cpp's rows run once)")
+    ap.add_argument("-md", "--model-draft", type=Path,
+                    help="spac-tier-sd's draft: this model (in memory) instead of the pool draft")
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
     ap.add_argument("--gammas", type=Path, help=argparse.SUPPRESS)  # a spac row's run in memory
@@ -466,14 +471,15 @@ def main() -> None:
           f"{measured.read_bytes_per_s / 1e6:.0f} MB/s; asking for a GB: the engine's gates {advise * 1e9:.2f} s "
           f"(the calibration run), a lone thread's madvise {gate['advise_cpu_s_per_byte'] * 1e9:.2f} CPU-s", flush=True)
     spac_tier = ["--draft", "none"]  # -c 512 in every spac row: llama-bench's context is its own tokens
+    draft = (["-md", str(args.model_draft)] if args.model_draft
+             else ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"])
     rows = [llama_row("llama-mmap", path, limit, ["--repack", "0"], args.n_prompt, args.n_gen),
             llama_row("llama-mmap-repack", path, limit, [], args.n_prompt, args.n_gen),
             spac_row("spac-mmap", path, limit, [*spac_tier, "--host-budget", f"{2 * size}"], args.n_gen),
             spac_row("spac-tier-no-read-ahead", path, limit, [*spac_tier, "--no-disk-read-ahead"], args.n_gen, disk,
                      args.repeats, advise),
             spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk, args.repeats, advise),
-            spac_row("spac-tier-sd", path, limit, ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"],
-                     args.n_gen, disk, args.repeats, advise)]
+            spac_row("spac-tier-sd", path, limit, draft, args.n_gen, disk, args.repeats, advise)]
     others = user_cpu_seconds()
     mine = {os.getpid()}
     others_s = sum(v - others0.get(pid, 0.0) for pid, v in others.items() if pid not in mine)
@@ -492,7 +498,9 @@ def main() -> None:
             spread = lambda key: "–".join(f"{v:.2f}" for v in (min(r[key]), max(r[key])))  # noqa: E731
             print(f"  {r['system']}: {len(r['decode_tok_s_runs'])} runs, decode {spread('decode_tok_s_runs')} tok/s"
                   + (f"; predicted {spread('predicted_decode_tok_s_runs')}; in memory "
-                     f"{spread('memory_decode_tok_s_runs')}" if "predicted_decode_tok_s_runs" in r else ""))
+                     f"{spread('memory_decode_tok_s_runs')}" if "predicted_decode_tok_s_runs" in r else "")
+                  + (f"; acceptance {r['acceptance_rate']:.2f}, {r['tokens_per_step']:.2f} tokens a step"
+                     if r.get("acceptance_rate") is not None else ""))
     texts = {r["system"]: r["tokens"] for r in rows if r.get("tokens")}
     same = (len({tuple(t) for t in texts.values()}) == 1 and all(r.get("same_tokens_every_run", True)
                                                                   and r.get("same_tokens_in_memory", True) for r in rows))
@@ -503,6 +511,7 @@ def main() -> None:
           f"{'idle otherwise' if others_s < 0.02 * wall else 'NOT idle: another process ran'}")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_description(), "disk": rates, "limit": limit, "file_bytes": size,
+                                         "sd_draft": str(args.model_draft) if args.model_draft else "pool",
                                          "read_ahead_kb": queue_setting(path, "read_ahead_kb"),
                                          "max_sectors_kb": queue_setting(path, "max_sectors_kb"),
                                          "replay_disk": {"read_bytes_per_s": disk.read_bytes_per_s,
