@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -365,14 +366,20 @@ class _Run:
 # this line on stderr once the first verification step is done, so a Ctrl-C after it lands in the
 # generation loop (not in the loading, whose Ctrl-C is another case)
 _GENERATING = "spac-test: generating"
-_SAY_WHEN_GENERATING = (
-    "import sys\nfrom orchestrator.decoding.speculative import Session\ninit = Session.__init__\n"
-    "def hooked(self, *a, **k):\n    init(self, *a, **k)\n    said = []\n"
-    "    def first_step(seconds):\n        if not said:\n"
-    f"            said.append(1); print({_GENERATING!r}, file=sys.stderr, flush=True)\n"
-    "    self.on_verify_step = first_step\n"
-    "Session.__init__ = hooked\n"
-    "from orchestrator.cli.main import main; sys.argv[0] = 'spac'; main()")
+def _after_first_step(body: str) -> str:
+    """A program that runs the CLI (with the arguments after it, as `spac` would) and runs `body`
+    (statements) once, after the first verification step, from `Session.on_verify_step`."""
+    return ("import os, signal, sys\nfrom orchestrator.decoding.speculative import Session\n"
+            "def once():\n" + textwrap.indent(body, "    ") + "\n"
+            "init = Session.__init__\n"
+            "def hooked(self, *a, **k):\n    init(self, *a, **k)\n    said = []\n"
+            "    def first_step(seconds):\n        if not said:\n            said.append(1)\n            once()\n"
+            "    self.on_verify_step = first_step\n"
+            "Session.__init__ = hooked\n"
+            "from orchestrator.cli.main import main; sys.argv[0] = 'spac'; main()")
+
+
+_SAY_WHEN_GENERATING = _after_first_step(f"print({_GENERATING!r}, file=sys.stderr, flush=True)")
 
 
 def _at_prompt(text: str) -> bool:
@@ -405,16 +412,10 @@ def test_ctrl_c_in_generate_says_interrupted_exit_130(json_out):
 # Python's own SIGINT handler raises KeyboardInterrupt in whatever code runs when the signal is
 # handled; in a finalizer (here a generator closed as it is dropped) the exception is printed and
 # lost, and an endless generation went on. This hook sends the signal from one, after the first step
-_CTRL_C_IN_A_FINALIZER = (
-    "import os, signal, sys\nfrom orchestrator.decoding.speculative import Session\ninit = Session.__init__\n"
-    "def hooked(self, *a, **k):\n    init(self, *a, **k)\n    said = []\n"
-    "    def first_step(seconds):\n        if said:\n            return\n        said.append(1)\n"
-    "        def finalized():\n            try:\n                yield\n            finally:\n"
-    "                os.kill(os.getpid(), signal.SIGINT)\n                sum(range(10000))\n"
-    "        dropped = finalized()\n        next(dropped)\n        del dropped\n"
-    "    self.on_verify_step = first_step\n"
-    "Session.__init__ = hooked\n"
-    "from orchestrator.cli.main import main; sys.argv[0] = 'spac'; main()")
+_CTRL_C_IN_A_FINALIZER = _after_first_step(
+    "def finalized():\n    try:\n        yield\n    finally:\n"
+    "        os.kill(os.getpid(), signal.SIGINT)\n        sum(range(10000))\n"
+    "dropped = finalized()\nnext(dropped)\ndel dropped")
 
 
 def test_ctrl_c_handled_in_a_finalizer_still_stops_the_generation():
