@@ -4,7 +4,7 @@ ways of running an MoE larger than the card, its GPU expert cache (llama-moe-cac
 orchestrator/profiles/hardware.toml (8, 12, 16 and 24 GB consumer cards), at the expert-pool
 budget each card leaves (the same VRAM for every system).
 
-    .venv/bin/python bench/sim_gpu_projection.py [--steps 600] [--validation rows.json] [--model KEY ...] [--json FILE]
+    .venv/bin/python bench/sim_gpu_projection.py [--steps 600] [--validation rows.json] [--model KEY ...] [--card KEY ...] [--json FILE]
 
 Setting: synthetic routing traces of each model family (`spac sim families`), a per-token
 acceptance of 0.75 and the best γ of 1, 2, 4, 8 for the speculative rows (spac's governor picks
@@ -31,10 +31,11 @@ for its draft's cost, as it does for gpt-oss (neither shares that tokenizer).
   with a miss uploaded or computed on the host, whichever finishes first (`spac`, HybriMoE's
   two-ended greedy, and the draft's lookahead); and with issue 51's rule (`spac-reuse`: the
   upload credited with the host time the expert's later uses save, decided after the router, so
-  the device half waits for the router's choice). Only `spac/host` runs live so far. The
-  engine's graph splits every MoE layer, so every layer pays the crossing, and the device
-  multiplies the host experts' tokens by its zero slot (both measured facts of the engine,
-  bench/bench_sim_truth.py). The JSON's `spac` is the best of the three on each row, as
+  the device half waits for the router's choice). `spac/host` and `spac-reuse` run live
+  (`--miss-rule host|reuse`). The engine's graph splits every MoE layer, so every layer pays the
+  crossing, and the device multiplies the host experts' tokens by its zero slot (both measured
+  facts of the engine, bench/bench_sim_truth.py), except where the pool holds every expert: then
+  the device half alone, no crossing and no gate (patch 0026). The JSON's `spac` is the best of the three on each row, as
   llama.cpp's best is the best of its configurations.
 tok/s over the last two thirds of the steps (the pool, and the cache, have filled by then).
 --validation: the JSON of bench_sim_truth.py, whose error on this machine is printed beside.
@@ -142,6 +143,7 @@ def main() -> None:
                     help="one RTX 3090 against two (x8 each, or the second in another PC over 25 or 10 GbE), on "
                     "Qwen3-235B-A22B and gpt-oss-120b (Qwen3's dynamics)")
     ap.add_argument("--model", action="append", help="only this model profile's rows (repeatable)")
+    ap.add_argument("--card", action="append", help="only this card's rows (a hardware profile, repeatable)")
     ap.add_argument("--json", type=Path, help="write the rows as JSON to this file")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     args = ap.parse_args()
@@ -151,6 +153,11 @@ def main() -> None:
         if unknown:
             ap.error(f"--model: not in this table: {', '.join(sorted(unknown))} (known: {', '.join(models)})")
         models = {k: v for k, v in models.items() if k in args.model}
+    if args.card:
+        unknown = set(args.card) - set(cards)
+        if unknown:
+            ap.error(f"--card: not in this table: {', '.join(sorted(unknown))} (known: {', '.join(cards)})")
+        cards = tuple(c for c in cards if c in args.card)
 
     note = ""
     if args.validation:

@@ -194,16 +194,17 @@ def test_each_device_paces_its_own_link():
 
 
 def _one_layer_trace(experts):
-    """One MoE layer, one token a pass (no draft), top-1: pass i uses experts[i]."""
+    """One MoE layer, one token a pass (no draft), top-1: pass i uses experts[i]; one more expert
+    that no pass uses, so that a one-slot pool never holds every expert (the engine's graph differs)."""
     from orchestrator.sim.trace import TraceWriter
 
-    w = TraceWriter("unused.npz", n_layer=1, n_expert=max(experts) + 1, top_k=1)
+    w = TraceWriter("unused.npz", n_layer=1, n_expert=max(experts) + 2, top_k=1)
     for e in experts:
         w.append(StepRouting(selected=np.array([[[e]]]), n_drafted=0, n_accepted=0))
     return w.to_trace()
 
 
-def _reuse_run(policy, experts, copy_ms):
+def _reuse_run(policy, experts, copy_ms, capacity=1):
     """Built costs: a one-token expert takes 10 ms on the host, 1 ms on the device; a copy copy_ms."""
     from dataclasses import replace
 
@@ -211,7 +212,7 @@ def _reuse_run(policy, experts, copy_ms):
     from tests.test_sim_costs import COSTS
 
     costs = replace(COSTS, pcie_bw=COSTS.expert_bytes / (copy_ms * 1e-3), draft_token_s=0.0)
-    return Simulator(_one_layer_trace(experts), SimConfig(capacity=1), costs=costs).run(make_policy(policy))
+    return Simulator(_one_layer_trace(experts), SimConfig(capacity=capacity), costs=costs).run(make_policy(policy))
 
 
 def test_the_reuse_rule_uploads_on_a_fast_link_and_computes_on_the_host_over_a_slow_one():
@@ -246,3 +247,6 @@ def test_the_reuse_rule_waits_for_the_router_on_the_device():
     a = _reuse_run("spac-reuse", [0, 0], copy_ms=2)
     b = _reuse_run("hybrimoe", [0, 0], copy_ms=2)
     assert a.step_time[1] == pytest.approx(b.step_time[1] + 0.25e-3)  # both hit in pass 1
+    # a pool of every expert (both of the trace's) has no gate in the engine (patch 0026): no wait
+    a, b = (_reuse_run(p, [0, 0], copy_ms=2, capacity=2) for p in ("spac-reuse", "hybrimoe"))
+    assert a.step_time[1] == pytest.approx(b.step_time[1])

@@ -46,6 +46,22 @@ def test_static_placement_splits_layers():
     assert r.prefetch_bytes == 0  # the initial placement is loaded before the run
 
 
+def test_a_pool_of_every_expert_pays_no_crossing():
+    """spac's engine crosses to the host in every split layer (sync_every_layer), but a pool of every
+    expert is filled at load and computes on the device alone (patch 0026): no crossing in any layer."""
+    from dataclasses import replace
+
+    engine = replace(COSTS, sync_every_layer=True, sync_s=5 * MS)  # a crossing longer than a layer's device half
+    # every expert resident: 2 + 1 + 2 x (0.5 + 3 x 1) = 10, as without the engine's crossing
+    np.testing.assert_allclose(run("static", capacity=8, costs=engine).step_time, [10 * MS, 10 * MS])
+    # and the engine fills it at load, whatever the policy copies: on-demand fetches find every expert
+    # resident from the first pass (36 ms in test_on_demand_fetch_then_hits, without the engine)
+    np.testing.assert_allclose(run("lru", capacity=8, costs=engine).step_time, [10 * MS, 10 * MS])
+    # one slot fewer: static leaves layer 0 on the host, and both layers cross:
+    #   2 + 1 + (0.5 + 3 x 10 + 5) + (0.5 + max(3 x 1, 5)) = 44
+    np.testing.assert_allclose(run("static", capacity=7, costs=engine).step_time, [44 * MS, 44 * MS])
+
+
 def test_on_demand_fetch_then_hits():
     # step 0, everything copied on demand, one link:
     #   layer 0 starts its experts at 3.5: e0 arrives 8.5 (done 9.5), e1 13.5 (14.5), e2 18.5 (19.5)

@@ -279,6 +279,7 @@ class CostModel:
     attention_block_token_s: float = 0.0
     n_dense_block: int = 0            # blocks without experts, whose attention is in fixed_pass_time
     sync_every_layer: bool = False   # the crossing is paid by every MoE layer, not only those with a host half
+                                     # (spac's split graph; never with a pool of every expert)
     zero_slot: bool = False          # the device computes absent experts' tokens with the all-zero slot
     transfer_latency_s: float = 0.0  # per copied expert, on top of its bytes over pcie_bw
     overlap: bool = True             # the device half runs while the host half does (False: a CPU test device)

@@ -169,6 +169,11 @@ class Pool:
         self.fetch_bytes = 0.0
         self.tier: RankedTier | PageCache | None = None  # the host tier the copies read from (None: every expert in RAM)
 
+    @property
+    def holds_all(self) -> bool:
+        """A slot for every expert: spac's engine computes on the device alone (patch 0026)."""
+        return self.capacity >= self.allocated.size
+
     def visible(self, at: float) -> np.ndarray:
         return self.allocated & (self.ready_at <= at)
 
@@ -304,6 +309,9 @@ class Simulator:
         pool = Pool(n_layer, n_expert, self.capacity, c)
         first = policy.plan(None, pool.allocated.copy(), self.warmup_feedback(pool))
         pool.apply(first, now=0.0, free=True, evicts=policy.evicts)
+        if c.sync_every_layer and pool.holds_all:  # spac's engine fills a pool of every expert at load (0026)
+            for layer, expert in np.argwhere(~pool.allocated):
+                pool.copy(int(layer), int(expert), 0.0, in_pass=False, free=True)
         tier = self._host_tier(policy, pool)
         ranked = isinstance(tier, RankedTier)
         if ranked and cfg.read_ahead == "next-pass":  # the oracle knows the first pass too
@@ -425,6 +433,9 @@ class Simulator:
             stats["device_busy"] += (c.fixed_pass_time(n_tokens, position)
                                      + n_layer * c.dense_layer_time(n_tokens, position))
         cached = self._cached(policy, pool, n_tokens)  # a readback cache serves this pass (or no such cache)
+        # a pool of every expert: spac's engine computes on the device alone (patch 0026), with no
+        # crossing and no gate in any layer (a miss of another policy's pool still crosses)
+        holds_all = pool.holds_all
         for layer in range(n_layer):
             t_layer = t
             t += c.dense_layer_time(n_tokens, position)
@@ -448,7 +459,7 @@ class Simulator:
             if pool.tier is not None:
                 t_miss = pool.tier.ready(layer, np.flatnonzero(miss & ~pool.allocated[layer]), t)
             # a gate after the router decides the misses: the device half waits for its choice on the host
-            end_device = t + (c.sync_s if policy.gate_readback else 0.0) + device
+            end_device = t + (c.sync_s if policy.gate_readback and not holds_all else 0.0) + device
             if policy.readback_max_tokens is not None and cached:
                 # llama-moe-cache: the router's choice read back (a device synchronize, every cached
                 # layer), the misses uploaded, then one op computes every routed expert on the device;
@@ -478,7 +489,8 @@ class Simulator:
             stats["cpu_tokens"] += n_host
             acc["cpu"] += n_host
             acc["fetched"] += int(n[miss].sum() - n_host)
-            sync = c.sync_s + n_tokens * c.sync_token_s if len(host_experts) or c.sync_every_layer else 0.0
+            split = len(host_experts) or (c.sync_every_layer and not holds_all)
+            sync = c.sync_s + n_tokens * c.sync_token_s if split else 0.0
             serial = min(c.sync_serial_s, sync)  # both halves wait for it
             end_host = t_miss + host + (0.0 if c.sync_on_device else sync)
             end_device += serial + (sync - serial if c.sync_on_device else 0.0)
