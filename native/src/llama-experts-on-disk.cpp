@@ -4,7 +4,6 @@
 #include "llama-model.h"
 
 #include "ggml.h"
-#include "ggml-backend.h"
 
 #include <algorithm>
 #include <chrono>
@@ -101,22 +100,10 @@ llama_experts_on_disk::llama_experts_on_disk(const llama_model & model) {
                 n_expert = std::max(n_expert, (int32_t) w->ne[2]);
             }
         }
-        // the read of the next layer computes on the host (in any of the CPU's layouts): a router on
-        // a device would add a crossing
-        const ggml_tensor * r = src.ffn_gate_inp;
-        ggml_backend_dev_t dev = r != nullptr && r->buffer != nullptr ? ggml_backend_buft_get_device(ggml_backend_buffer_get_type(r->buffer)) : nullptr;
-        const bool on_host = dev != nullptr ? ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU
-                                            : r != nullptr && r->buffer != nullptr && ggml_backend_buffer_is_host(r->buffer); // a mapped file's
-        if (r != nullptr && r->data != nullptr && on_host) {
-            l.router = r;
-        }
     }
     moe_layers = llama_moe_layers(model);
     for (size_t m = 0; m < moe_layers.size(); ++m) {
         layers[moe_layers[m]].moe = (int) m;
-        if (m + 1 < moe_layers.size() && !layers[moe_layers[m + 1]].weights.empty()) {
-            layers[moe_layers[m]].next = &layers[moe_layers[m + 1]];
-        }
     }
 }
 
@@ -204,115 +191,17 @@ void llama_experts_on_disk::gate_layer(const layer & l, const int32_t * ids, int
     }
 }
 
-void llama_experts_on_disk::read_next_layer(const layer & l, const ggml_tensor * logits, int ith, int nth) {
-    // one thread ranks: the union of each token's n best, in token order, handed to the reader
-    (void) nth;
-    if (ith != 0) {
-        return;
-    }
-    const layer & next = *l.next;
-    const int64_t n_exp = logits->ne[0];
-    const int n_best = (int) std::min<int64_t>(read_next.load(std::memory_order_relaxed), n_exp);
-    std::vector<bool> seen(n_exp, false);
-    {
-        std::lock_guard<std::mutex> lock(on_device_mutex);
-        if (!on_device.empty() && next.moe >= 0) {
-            for (int64_t e = 0; e < n_exp && e < n_expert; ++e) {
-                seen[e] = on_device[(size_t) next.moe * n_expert + e] != 0;
-            }
-        }
-    }
-    std::vector<std::pair<int, int32_t>> guesses;
-    std::vector<int32_t> order(n_exp);
-    for (int64_t t = 0; t < logits->ne[1]; ++t) {
-        const float * x = (const float *) ((const char *) logits->data + t * logits->nb[1]);
-        for (int64_t e = 0; e < n_exp; ++e) {
-            order[e] = (int32_t) e;
-        }
-        std::partial_sort(order.begin(), order.begin() + n_best, order.end(),
-                          [x](int32_t a, int32_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); });
-        for (int i = 0; i < n_best; ++i) {
-            if (!seen[order[i]]) {
-                seen[order[i]] = true;
-                guesses.emplace_back(next.il, order[i]);
-            }
-        }
-    }
-    {
-        std::lock_guard<std::mutex> lock(reader_mutex);
-        reader_queue = std::move(guesses);
-        if (!reader.joinable()) {
-            reader = std::thread([this] { reader_loop(); });
-        }
-    }
-    reader_wake.notify_one();
-}
-
-void llama_experts_on_disk::reader_loop() {
-    std::unique_lock<std::mutex> lock(reader_mutex);
-    while (true) {
-        reader_wake.wait(lock, [this] { return reader_stop || !reader_queue.empty(); });
-        if (reader_stop) {
-            return;
-        }
-        const auto [il, e] = reader_queue.front();
-        reader_queue.erase(reader_queue.begin());
-        lock.unlock();
-        const int64_t missing = missing_bytes(il, e);
-        if (missing > 0) {
-            n_read_next++;
-            bytes_read_next += (uint64_t) missing;
-            const auto start = std::chrono::steady_clock::now();
-            for (const ggml_tensor * w : layers[il].weights) {
-                span_advise(expert_span(w, e), SPAC_DISK_READ);
-            }
-            read_next_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
-                std::chrono::steady_clock::now() - start).count();
-        }
-        lock.lock();
-    }
-}
-
-llama_experts_on_disk::~llama_experts_on_disk() {
-    {
-        std::lock_guard<std::mutex> lock(reader_mutex);
-        reader_stop = true;
-    }
-    reader_wake.notify_one();
-    if (reader.joinable()) {
-        reader.join();
-    }
-}
-
-void llama_experts_on_disk::run_gate(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * logits,
-                                     int ith, int nth, void * ud) {
-    const auto * l = (const layer *) ud;
-    if (ith == 0) {
-        memcpy(dst->data, ids->data, ggml_nbytes(ids));
-    }
-    l->disk->gate_layer(*l, (const int32_t *) ids->data, ggml_nelements(ids), ith, nth);
-    if (logits != nullptr && l->disk->read_next.load(std::memory_order_relaxed) > 0) {
-        l->disk->read_next_layer(*l, logits, ith, nth);
-    }
-}
-
-ggml_tensor * llama_experts_on_disk::gate(ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il) {
+ggml_tensor * llama_experts_on_disk::gate(ggml_context * ctx, ggml_tensor * selected, int il) {
     if (il < 0 || il >= (int) layers.size() || layers[il].weights.empty()) {
         return selected;
     }
-    layer & l = layers[il];
-    ggml_tensor * ids = ggml_cont(ctx, selected);
-    // the next layer's logits are in the graph whether the read is on or not (switching it keeps the
-    // graph's shape): one small matmul of a host weight per layer
-    if (cur != nullptr && l.next != nullptr && l.next->router != nullptr && l.next->router->ne[0] == cur->ne[0]) {
-        ggml_tensor * logits = ggml_mul_mat(ctx, const_cast<ggml_tensor *>(l.next->router), cur);
-        return ggml_map_custom2(ctx, ids, logits, [](ggml_tensor * dst, const ggml_tensor * a, const ggml_tensor * b,
-                                                     int ith, int nth, void * ud) { run_gate(dst, a, b, ith, nth, ud); },
-                                GGML_N_TASKS_MAX, &l);
-    }
-    return ggml_map_custom1(ctx, ids, [](ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
-        run_gate(dst, a, nullptr, ith, nth, ud);
-    }, GGML_N_TASKS_MAX, &l);
+    return ggml_map_custom1(ctx, ggml_cont(ctx, selected), [](ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
+        if (ith == 0) {
+            memcpy(dst->data, a->data, ggml_nbytes(a));
+        }
+        const auto * l = (const layer *) ud;
+        l->disk->gate_layer(*l, (const int32_t *) a->data, ggml_nelements(a), ith, nth);
+    }, GGML_N_TASKS_MAX, &layers[il]);
 }
 
 void llama_experts_on_disk::get_stats(spac_disk_stats & out) const {
@@ -323,13 +212,9 @@ void llama_experts_on_disk::get_stats(spac_disk_stats & out) const {
     out.bytes_read_ahead = bytes_read_ahead;
     out.n_dropped        = n_dropped;
     out.gate_advise_ns   = gate_advise_ns;
-    out.n_read_next      = n_read_next;
-    out.bytes_read_next  = bytes_read_next;
-    out.read_next_ns     = read_next_ns;
 }
 
 void llama_experts_on_disk::reset_stats() {
     n_gate_experts = n_stalls = bytes_stalled = 0;
     n_read_ahead = bytes_read_ahead = n_dropped = gate_advise_ns = 0;
-    n_read_next = bytes_read_next = read_next_ns = 0;
 }

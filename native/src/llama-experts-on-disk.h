@@ -8,20 +8,14 @@
 // memory all at once (a read of each whole expert, many in flight) before the expert matmuls fault
 // them in one page at a time; those experts are the layer's stalls. The orchestrator's host tier
 // reads ahead the experts the next pass will likely use and drops the ones it does not keep
-// (spac_disk_advise): where an expert is read from changes, never what is computed. With a read of
-// the next layer on (set_read_next), each gate also asks for the next MoE layer's likely experts,
-// that layer's router applied to this layer's input, so that the disk reads them while this layer
-// computes.
+// (spac_disk_advise): where an expert is read from changes, never what is computed.
 
 #include "spac.h"
 
 #include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
-#include <thread>
-#include <utility>
 #include <vector>
 
 struct ggml_context;
@@ -30,17 +24,10 @@ struct llama_model;
 
 struct llama_experts_on_disk {
     explicit llama_experts_on_disk(const llama_model & model);
-    ~llama_experts_on_disk();
 
     // the layer's selected experts [n_expert_used, n_tokens] after a gate that reads those not in
-    // memory before anything downstream runs (a CPU op; the ids pass through unchanged). cur: the
-    // layer's MoE input [n_embd, n_tokens], which the next MoE layer's router (a host weight) turns
-    // into the logits the read of the next layer ranks by
-    ggml_tensor * gate(ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il);
-
-    // the next layer's experts each gate asks for: the n best of its router's logits per token on
-    // this layer's input, those not in memory (0: none, the default)
-    void set_read_next(int n) { read_next = n > 0 ? n : 0; }
+    // memory before anything downstream runs (a CPU op; the ids pass through unchanged)
+    ggml_tensor * gate(ggml_context * ctx, ggml_tensor * selected, int il);
 
     // per (layer, expert): SPAC_DISK_READ or SPAC_DISK_DROP; false for a pair out of range
     bool advise(int il, int expert, int advice);
@@ -63,8 +50,6 @@ private:
         std::vector<const ggml_tensor *> weights;
         int il = -1;
         int moe = -1; // its index among the MoE layers
-        const layer * next = nullptr;          // the next MoE layer, if any
-        const ggml_tensor * router = nullptr;  // its router weight [n_embd, n_expert]
         llama_experts_on_disk * disk = nullptr;
     };
     std::vector<layer> layers; // by model layer; empty weights: no routed experts there
@@ -75,21 +60,7 @@ private:
     std::atomic<uint64_t> n_gate_experts{0}, n_stalls{0}, bytes_stalled{0};
     std::atomic<uint64_t> n_read_ahead{0}, bytes_read_ahead{0}, n_dropped{0};
     std::atomic<uint64_t> gate_advise_ns{0};
-    std::atomic<uint64_t> n_read_next{0}, bytes_read_next{0}, read_next_ns{0};
-    std::atomic<int> read_next{0};
-
-    // the read of the next layer runs on a thread of its own, off the graph's: the gate hands it the
-    // next layer's guesses (replacing any not yet asked for: an earlier layer's are stale)
-    std::thread reader;
-    std::mutex reader_mutex;
-    std::condition_variable reader_wake;
-    std::vector<std::pair<int, int32_t>> reader_queue; // (model layer, expert), in rank order
-    bool reader_stop = false;
-    void reader_loop();
 
     bool valid(int il, int expert) const;
     void gate_layer(const layer & l, const int32_t * ids, int64_t n, int ith, int nth);
-    void read_next_layer(const layer & l, const ggml_tensor * logits, int ith, int nth);
-    // the gate's op: ids pass through, logits (or nullptr) rank the next layer's experts
-    static void run_gate(ggml_tensor * dst, const ggml_tensor * ids, const ggml_tensor * logits, int ith, int nth, void * ud);
 };
