@@ -5,7 +5,9 @@
 
 1. Profile: `spac sim profile measure` of this machine, on the target's own file, with 9 timed
    passes per point (--profile-repeats; the one-token expert time moved by 10% between two
-   profiles of 3): the host with 1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
+   profiles of 3), once before the live rows and once after them, the prediction taking their
+   mean (profiles.average_measured: two profiles minutes apart differed by up to 29% in an expert
+   table; --keep saves both besides): the host with 1 thread, the pool device a ggml RPC server on 127.0.0.1 with 1 thread (the stand-in GPU),
    the draft's tokens on the host (orchestrator/cli/profile_measure.py), the host and the RPC server
    pinned to one CPU each for the whole run (--no-pin leaves them to the scheduler). --profile FILE
    reuses one.
@@ -426,21 +428,35 @@ def main() -> None:
         profile = args.profile
         if not args.no_overlap:
             overlap = overlap_rows(device, tmp, args.overlap_repeats)
+        measured = []  # the profiles this run measures: before the live rows and after them
+
+        def measure_profile(when: str) -> None:
+            t = time.monotonic()
+            measured.append(measure(target, device, args.threads, draft, repeats=args.profile_repeats, mmap=args.mmap,
+                                    progress=lambda s: print(f"  profile ({when}): {s}", file=sys.stderr, flush=True)))
+            print(f"profile ({when}) measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
+
         if profile is None and rows:
             profile = args.keep_profile or tmp / "profile.toml"
-            t = time.monotonic()
-            prof = measure(target, device, args.threads, draft, repeats=args.profile_repeats, mmap=args.mmap,
-                           progress=lambda s: print(f"  profile: {s}", file=sys.stderr, flush=True))
-            profiles.write_measured(profile, prof, f"measured by bench/bench_sim_truth.py on {target.name}")
-            print(f"profile measured in {time.monotonic() - t:.0f} s", file=sys.stderr)
+            measure_profile("before")
+            profiles.write_measured(profile, measured[0], f"measured by bench/bench_sim_truth.py on {target.name}")
         for repeat in range(args.repeats):
             for row in rows:
                 t = time.monotonic()
                 run = run_live(row, target, draft, device, args, tmp / "calibration.json", profile)
                 print(f"  live {row.name}, run {repeat + 1}/{args.repeats}: {run.measured:.2f} tok/s "
                       f"({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
+        if measured:
+            # two measurements of the machine, bracketing the live rows: their mean. One profile's
+            # expert tables moved by up to 29% between two measurements minutes apart
+            measure_profile("after")
+            profiles.write_measured(profile, profiles.average_measured(measured),
+                                    f"measured by bench/bench_sim_truth.py on {target.name}, before and after "
+                                    "the live rows: their mean")
         if args.keep:
             keep(args.keep, rows, profile, overlap, target, draft)
+            for when, prof in zip(("before", "after"), measured):
+                profiles.write_measured(args.keep / f"profile-{when}.toml", prof, f"measured {when} the live rows")
         wall = time.monotonic() - t0
         load1 = os.getloadavg()
         cpu1, steal1, own_before = machine_cpu_seconds(), steal_seconds(), own_cpu_seconds()

@@ -48,6 +48,22 @@ def test_round_trip_and_cost_model(tmp_path):
     assert back.expert_rate("host", "Q4_0") == back.expert_rate("host", "Q4_K")
 
 
+def test_the_mean_of_two_measurements():
+    """bench_sim_truth.py measures the machine before and after its live rows and predicts with the
+    mean: every rate, and each expert table point by point."""
+    slower = replace(MACHINE, host={"Q4_K": ((1, 2, 4), (3e-10, 3.1e-10, 3.5e-10))}, crossing_s=150e-6,
+                     copy_bytes_per_s=3e9, measured_at="later")
+    mean = profiles.average_measured([MACHINE, slower])
+    assert mean.host["Q4_K"] == ((1, 2, 4), pytest.approx((2e-10, 2.1e-10, 2.5e-10)))
+    assert mean.device_rates == MACHINE.device_rates  # the same in both
+    assert mean.crossing_s == pytest.approx(100e-6) and mean.copy_bytes_per_s == pytest.approx(4e9)
+    assert mean.non_expert_s_per_byte == MACHINE.non_expert_s_per_byte and mean.device == "RPC0"
+    with pytest.raises(ValueError, match="other token counts"):
+        profiles.average_measured([MACHINE, replace(MACHINE, device_rates={"Q4_K": ((1, 2), (1e-11, 1e-11))})])
+    with pytest.raises(ValueError, match="different devices"):
+        profiles.average_measured([MACHINE, replace(MACHINE, device="CPU")])
+
+
 @pytest.mark.parametrize("policy", ["static", "spac"])
 def test_faster_device_predicts_faster_run(tmp_path, policy):
     base = tokens_per_s(MACHINE, tmp_path, policy)

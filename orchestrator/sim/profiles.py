@@ -42,7 +42,7 @@ the profiles, their TOML loading, the cost model and the measured profile (`read
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -566,6 +566,34 @@ def read_measured(path: str | Path) -> MeasuredProfile:
         if not v > 0:
             raise ValueError(f"{path}: {name} must be positive")
     return prof
+
+
+# a measured profile's rates: averaged by average_measured (the rest is the first profile's)
+_AVERAGED = ("copy_bytes_per_s", "copy_latency_s", "crossing_s", "non_expert_s_per_byte",
+             "non_expert_s_per_byte_token", "draft_s_per_byte", "kv_s_per_byte", "kv_s_per_byte_token",
+             "draft_s_per_token")
+
+
+def average_measured(profs: list[MeasuredProfile]) -> MeasuredProfile:
+    """The mean of several measurements of one machine (the same model, device and threads): each
+    rate, and each expert table point by point. A host whose speed drifts during a long run is
+    better held by its profiles measured before and after the run than by either alone."""
+    first = profs[0]
+    if any(p.device != first.device or p.host_threads != first.host_threads for p in profs):
+        raise ValueError("average_measured: profiles of different devices or thread counts")
+
+    def tables(side: str) -> dict:
+        out = {}
+        for q, (n, x) in getattr(first, side).items():
+            rows = [getattr(p, side).get(q) for p in profs]
+            if any(r is None or tuple(r[0]) != tuple(n) for r in rows):
+                raise ValueError(f"average_measured: [{side}.{q}] measured at other token counts")
+            out[q] = (tuple(n), tuple(sum(r[1][i] for r in rows) / len(rows) for i in range(len(n))))
+        return out
+
+    means = {f: sum(getattr(p, f) for p in profs) / len(profs) for f in _AVERAGED}
+    return replace(first, host=tables("host"), device_rates=tables("device_rates"), **means,
+                   measured_at=" and ".join(p.measured_at for p in profs))
 
 
 def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -> Path:
