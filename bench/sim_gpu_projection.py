@@ -148,16 +148,17 @@ def main() -> None:
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     args = ap.parse_args()
     cards, models = (MULTI_CARDS, MULTI_MODELS) if args.multi_card else (CARDS, MODELS)
-    if args.model:
-        unknown = set(args.model) - set(models)
-        if unknown:
-            ap.error(f"--model: not in this table: {', '.join(sorted(unknown))} (known: {', '.join(models)})")
-        models = {k: v for k, v in models.items() if k in args.model}
-    if args.card:
-        unknown = set(args.card) - set(cards)
-        if unknown:
-            ap.error(f"--card: not in this table: {', '.join(sorted(unknown))} (known: {', '.join(cards)})")
-        cards = tuple(c for c in cards if c in args.card)
+
+    def only(flag: str, asked: list[str] | None, known) -> list[str]:
+        """The keys of `known` that --flag names (all when it is not given); an unknown one is an error."""
+        if not asked:
+            return list(known)
+        if unknown := set(asked) - set(known):
+            ap.error(f"{flag}: not in this table: {', '.join(sorted(unknown))} (known: {', '.join(known)})")
+        return [k for k in known if k in asked]
+
+    models = {k: models[k] for k in only("--model", args.model, models)}
+    cards = tuple(only("--card", args.card, cards))
 
     note = ""
     if args.validation:
