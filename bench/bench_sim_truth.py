@@ -20,9 +20,10 @@
    spac's default policy × speculative (γ adaptive, ≤ --draft-max) and autoregressive (--policies
    adds llama.cpp's cache, patch 0023, and spac's miss rule, patch 0031, which then decides on the
    profile's costs, as its replay does). Each
-   row records its routing trace (`orchestrator.cli.record`'s writer on the session) and its decode
-   tok/s (prefill excluded), summed over the prompts, timed once the pool holds the warm-up's plan
-   (the simulator places its first plan for free).
+   row records its routing trace (`orchestrator.cli.record`'s writer on the session; the warm-up
+   and every prompt's pass in it, untimed: they fill a pool that copies inside the passes) and its
+   decode tok/s (prefill excluded), summed over the prompts, timed once the pool holds the
+   warm-up's plan (the simulator replays the warm-up, then waits for its copies).
 3. Predicted: each row's trace replayed by the simulator with the measured profile, the same
    policy class and the engine's slot count; the trace carries the γ and acceptance of every
    step, so only the cost model is under test.
@@ -61,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,18 +185,22 @@ def run_live(row: Row, target: Path, draft: Path, device: str, args, cache: Path
     with Session(cfg, policy=policy) as s:
         if row.policy == "spac-reuse":
             s.engine.set_miss_costs(profile_miss_costs(row, profile, target, draft))
-        s.complete(WARM_UP, max_tokens=16)
         eng = s.engine
-        # timing starts once the pool holds the warm-up's plan, as the simulator's does (its
-        # first plan is placed for free): else a row pays for filling the pool inside its
-        # measured tokens, and on the RPC device every copy holds up the pass behind it
-        eng.wait_idle(600)
-        row.n_slots = int(eng.stats()["n_slots"])
-        run = Run()
+        # the warm-up and the prompts are in the trace, untimed: what they leave in the pool is
+        # where decoding starts (a cache filled inside the passes holds their experts)
         writer = TraceWriter(Path(cache).with_suffix(f".{row.policy}-{row.budget}-{row.speculative}.npz"),
                              n_layer=eng.n_moe_layers, n_expert=eng.n_expert, top_k=eng.n_expert_used,
                              model=target.stem, meta={"gguf": str(target), "draft_gguf": str(draft) if row.speculative else None})
         s.on_step = lambda step: writer.append(step, s.last_draft_routing)
+        s.on_prompt = writer.append_prompt
+        s.complete(WARM_UP, max_tokens=16)
+        writer.meta["warm_up_steps"] = writer.n_steps
+        # timing starts once the pool holds the warm-up's plan, as the simulator's does
+        # (SimConfig.warm_up_steps): else a row pays for filling the pool inside its measured
+        # tokens, and on the RPC device every copy holds up the pass behind it
+        eng.wait_idle(600)
+        row.n_slots = int(eng.stats()["n_slots"])
+        run = Run()
         for prompt in PROMPTS[:args.prompts]:
             s.reset()
             staged = eng.stats()["n_staged"]
@@ -246,7 +251,7 @@ def predict(row: Row, profile: Path, target: Path, draft: Path) -> None:
 
     config = sim_config(row, profile, target, draft)
     for run in row.runs:
-        sim = Simulator(run.trace, config)
+        sim = Simulator(run.trace, replace(config, warm_up_steps=int(run.trace.meta.get("warm_up_steps", 0))))
         r = sim.run(make_policy(POLICIES[row.policy]))
         run.predicted_s = r.time_s
         run.sim = {"steps": r.n_steps, "tokens": r.tokens, "hit": r.hit_rate, "rows": run.trace.n_rows,

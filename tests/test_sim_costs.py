@@ -72,6 +72,39 @@ def test_on_demand_fetch_then_hits():
     assert r.fetch_bytes == 6000 and r.hit_rate == pytest.approx(0.5)
 
 
+def test_a_prompt_fills_an_in_pass_cache_untimed():
+    """A prompt pass before a step (the trace's prompt_rows) is replayed as live: the experts a cache
+    copies inside the passes upload in it are hits in the first step, and its time is not the
+    decode's; a policy that plans between verify passes is not shown it."""
+    w = TraceWriter("unused.npz", n_layer=2, n_expert=4, top_k=2)
+    w.append_prompt(STEP)
+    for _ in range(2):
+        w.append(StepRouting(selected=STEP, n_drafted=1, n_accepted=1))
+    trace = w.to_trace()
+    # lru fetches the prompt's experts in the prompt pass (36 ms, test_on_demand_fetch_then_hits):
+    # both steps then hit, 10 ms each, and the run takes 20 ms
+    r = Simulator(trace, SimConfig(capacity=8), costs=COSTS).run(make_policy("lru"))
+    np.testing.assert_allclose(r.step_time, [10 * MS, 10 * MS])
+    assert r.time_s == pytest.approx(20 * MS) and r.hit_rate == 1.0 and r.fetch_bytes == 6000
+    # static computes its misses on the host and sees no layer of the prompt: as without it
+    static = make_policy("static")
+    seen = []
+    static.on_layer = lambda layer, counts, weights: seen.append(layer)
+    r = Simulator(trace, SimConfig(capacity=4), costs=COSTS).run(static)
+    np.testing.assert_allclose(r.step_time, [37.25 * MS, 37.25 * MS])
+    assert r.time_s == pytest.approx(74.5 * MS) and seen == [0, 1, 0, 1]
+
+
+def test_a_warm_up_is_replayed_untimed():
+    """SimConfig.warm_up_steps: the first steps fill the pool, then timing starts once their copies
+    are done; only the later steps count (time, tokens, hits, bytes)."""
+    r = Simulator(tiny_trace(3), SimConfig(capacity=8, warm_up_steps=1), costs=COSTS).run(make_policy("lru"))
+    # step 0 fetched every expert (36 ms, test_on_demand_fetch_then_hits): the two timed steps hit
+    np.testing.assert_allclose(r.step_time, [10 * MS, 10 * MS])
+    assert (r.n_steps, r.tokens, r.time_s) == (2, 4, pytest.approx(20 * MS))
+    assert r.hit_rate == 1.0 and r.bytes_moved == 0
+
+
 def test_hybrimoe_greedy_split():
     # layer 0 at 3.5, missing by count e0(2) e1 e2:
     #   e0 device 3.5+5+1 = 9.5 ≤ host e2 13.5 -> device; e1 device 14.5 > host e2 13.5 -> host;

@@ -69,6 +69,38 @@ def test_positions_round_trip(tmp_path):
         read_trace(rewrite(tmp_path / "t.npz", position=np.array([11, 13], dtype=np.int32)))
 
 
+def test_prompt_passes_round_trip(tmp_path):
+    """A prompt pass goes with the step after it; its rows may hold -1 (a row the layer did not
+    compute), a step's may not; one with no step after it is left out."""
+    rng = np.random.default_rng(5)
+    steps = [random_step(rng, d, a) for d, a in [(3, 1), (0, 0), (2, 2)]]
+    prompt = random_step(rng, 4, 0).selected
+    prompt[:-1, -1] = -1  # the last layer keeps only the output row
+    w = TraceWriter(tmp_path / "t.npz", n_layer=L, n_expert=E, top_k=K)
+    w.append_prompt(prompt)
+    w.append(steps[0])
+    w.append(steps[1])
+    w.append_prompt(prompt[:2])
+    w.append(steps[2])
+    w.append_prompt(prompt)  # no step follows
+    t = read_trace(w.close())
+    assert t.prompt_rows.tolist() == [5, 0, 2] and t.n_rows == 4 + 1 + 3
+    np.testing.assert_array_equal(t.prompt_step(0).selected, prompt)
+    assert t.prompt_step(0).n_tokens == 5 and t.prompt_step(0).n_accepted == 0
+    assert t.prompt_step(1) is None
+    np.testing.assert_array_equal(t.prompt_step(2).selected, prompt[:2])
+    assert t.head(2).prompt_rows.tolist() == [5, 0] and len(t.head(2).prompt_selected) == 5
+    assert read_trace(write_trace(tmp_path / "u.npz", steps)).prompt_rows is None
+    with pytest.raises(TraceError, match="out of range"):
+        w2 = TraceWriter(tmp_path / "v.npz", n_layer=L, n_expert=E, top_k=K)
+        w2.append_prompt(np.full((2, L, K), E))
+    with pytest.raises(TraceError, match=r"prompt_selected has 4 rows but the step counts imply 7"):
+        read_trace(rewrite(tmp_path / "t.npz", prompt_selected=t.prompt_selected[:4]))
+    with pytest.raises(TraceError, match="prompt_rows and prompt_selected go together"):
+        Trace(n_layer=L, n_expert=E, top_k=K, n_drafted=t.n_drafted, n_accepted=t.n_accepted,
+              selected=t.selected, prompt_rows=t.prompt_rows)
+
+
 def test_truncated_file(tmp_path):
     rng = np.random.default_rng(2)
     path = write_trace(tmp_path / "t.npz", [random_step(rng, 3, 2) for _ in range(20)])

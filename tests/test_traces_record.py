@@ -69,6 +69,19 @@ def test_recorded_trace_matches_the_live_steps(live_run):
         assert (trace.n_drafted[i], trace.n_accepted[i]) == (routing.n_drafted, routing.n_accepted)
 
 
+def test_recorded_prompts_go_with_each_prompts_first_step(live_run):
+    """Each prompt's pass (12 tokens, nothing cached from the one before) is kept with the first
+    step of its decode, every row in every layer but the last, which computed the output row only
+    (the export leaves it out, -1)."""
+    trace, *_ = live_run
+    p = trace.position.astype(np.int64)
+    first = np.r_[0, np.flatnonzero(p[1:] < p[:-1]) + 1]
+    assert np.flatnonzero(trace.prompt_rows).tolist() == first.tolist()
+    assert trace.prompt_rows[first].tolist() == [12, 12, 12]
+    prompt = trace.prompt_step(0).selected
+    assert (prompt[:, :-1] >= 0).all() and (prompt[:, -1, 0] >= 0).sum() <= 1
+
+
 def test_recorded_positions_follow_the_accepted_tokens(live_run):
     """Each step's position is the target's cache before its pass: it grows by the tokens the step
     kept, and starts again with every prompt (12 tokens each)."""

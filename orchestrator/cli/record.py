@@ -38,12 +38,13 @@ def record_trace(session, out: Path, prompts, max_tokens: int, meta: dict | None
     def append(step: StepRouting) -> None:  # with the draft's routing when the draft is an MoE
         writer.append(step, session.last_draft_routing)
 
-    previous, session.on_step = session.on_step, append
+    previous = session.on_step, session.on_prompt
+    session.on_step, session.on_prompt = append, writer.append_prompt
     try:
         for prompt in prompts:
             session.complete(prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
     finally:
-        session.on_step = previous
+        session.on_step, session.on_prompt = previous
         writer.close()
     return read_trace(out)
 

@@ -228,6 +228,8 @@ class Session:
         self._plan_sent: Plan | None = None
         self._stats_prev: dict | None = None
         self.on_step: Callable[[StepRouting], None] | None = None  # e.g. a TraceWriter's append
+        # a prompt pass's routing, [n_tokens, n_layer, top_k] (its last ubatch): a TraceWriter's append_prompt
+        self.on_prompt: Callable[[np.ndarray], None] | None = None
         # called after every verification step with its seconds; may raise to end the generation
         # there (a server's client went away): `generate`'s cleanup runs, the KV caches stay valid
         self.on_verify_step: Callable[[float], None] | None = None
@@ -716,6 +718,8 @@ class Session:
             dctx.checkpoint()
         self.ctx.decode(prompt[self.ctx.n_past:], logits_all=False)
         self._after_target_pass()
+        if self.on_prompt is not None and self.routing is not None:
+            self.on_prompt(self.routing.last()[0].transpose(1, 0, 2).copy())
         self.ctx.checkpoint()  # a recurrent state: the next prompt may leave this one after its end
         row = self.ctx.logits()[-1]
         first = int(row.argmax()) if sampling.greedy else sample(distribution(row, sampling), rng)

@@ -92,6 +92,9 @@ class SimConfig:
     host_rank: str = "uses"
     host_exclusive: bool = True
     fault_threads: int = FAULT_THREADS
+    # the trace's first steps are a live run's warm-up (bench_sim_truth.py): replayed, not timed or
+    # counted; the timed steps start once their copies are done, as live after `wait_idle`
+    warm_up_steps: int = 0
 
     def costs(self) -> CostModel:
         """hardware: a datasheet profile's key, or a measured profile's file (`spac sim profile measure`)."""
@@ -319,9 +322,21 @@ class Simulator:
 
         acc = dict(hits=0, unique_hits=0, cpu=0, fetched=0, needed=0, unique_needed=0, collisions=0)
         step_time = np.zeros(n_steps)
-        draft_total = stall_total = 0.0
+        draft_total = stall_total = untimed = 0.0
         now = 0.0
+        warm_up = min(cfg.warm_up_steps, n_steps)
+        counted = _Counters(pool, tier)
         for s in range(n_steps):
+            if s == warm_up and s:  # the warm-up is over: its copies land, then timing starts
+                now = untimed = max(now, pool.link_free_at)
+                acc = dict.fromkeys(acc, 0)
+                draft_total = stall_total = 0.0
+                counted = _Counters(pool, tier)
+            prompt = trace.prompt_step(s)
+            if prompt is not None:  # a new prompt's prefill: it fills the pool, its time is not decode's
+                end = self._prompt_pass(policy, pool, tier, prompt, now, acc, s)
+                untimed += end - now
+                now = end
             routing = trace.step(s)
             start = now
             draft_s = routing.n_drafted * c.draft_token_s
@@ -375,18 +390,30 @@ class Simulator:
                 tier.after_pass(routing.frequency(n_expert), now, self._utility(policy), self._oracle(s + 1))
             pool.apply(plan, now=now, evicts=policy.evicts)
 
-        tokens = int(trace.n_accepted[:n_steps].sum()) + n_steps
+        tokens = int(trace.n_accepted[warm_up:n_steps].sum()) + n_steps - warm_up
         vram = c.static_bytes + self.capacity * c.expert_bytes
-        disk = {} if tier is None else dict(host_slots=tier.slots, disk_bytes=tier.bytes_read,
-                                            disk_stalls=tier.stalls, disk_wait_s=tier.wait_s)
+        moved = counted.since(pool, tier)
+        disk = {} if tier is None else dict(host_slots=tier.slots, disk_bytes=moved["bytes_read"],
+                                            disk_stalls=moved["stalls"], disk_wait_s=moved["wait_s"])
         return SimResult(
-            policy=policy.name, capacity=self.capacity, n_steps=n_steps, tokens=tokens, time_s=now,
+            policy=policy.name, capacity=self.capacity, n_steps=n_steps - warm_up, tokens=tokens, time_s=now - untimed,
             hit_rate=_ratio(acc["hits"], acc["needed"]), unique_hit_rate=_ratio(acc["unique_hits"], acc["unique_needed"]),
             cpu_share=_ratio(acc["cpu"], acc["needed"]), fetch_share=_ratio(acc["fetched"], acc["needed"]),
-            collision_misses=acc["collisions"], prefetch_bytes=pool.prefetch_bytes, fetch_bytes=pool.fetch_bytes,
+            collision_misses=acc["collisions"], prefetch_bytes=moved["prefetch_bytes"], fetch_bytes=moved["fetch_bytes"],
             draft_s=draft_total, stall_s=stall_total, vram_needed_GB=vram / 1e9, fits_vram=vram <= c.vram_bytes,
-            step_time=step_time, config=asdict(self.config), **disk,
+            step_time=step_time[warm_up:], config=asdict(self.config), **disk,
         )
+
+    def _prompt_pass(self, policy: Policy, pool: Pool, tier, routing: StepRouting, start: float, acc: dict,
+                     step: int) -> float:
+        """A prompt pass before a step, as live: a policy that copies inside the passes sees it (the
+        engine's cache, spac's miss rule), the others are not shown it (the session plans after
+        verify passes only), and the host tier ranks after it. Not counted in the hit rates.
+        Returns its end; `step` is the step after it."""
+        end, _, _ = self._verify(policy, pool, routing, start, dict.fromkeys(acc, 0), observe=policy.miss != "cpu")
+        if isinstance(tier, RankedTier):
+            tier.after_pass(routing.frequency(self.trace.n_expert), end, self._utility(policy), self._oracle(step))
+        return end
 
     def _host_tier(self, policy: Policy, pool: Pool) -> RankedTier | PageCache | None:
         """The host tier when the experts do not all fit in host RAM: spac's for policies that rank
@@ -416,8 +443,9 @@ class Simulator:
             return np.zeros((self.trace.n_layer, self.trace.n_expert), dtype=bool)
         return self.trace.step(step).frequency(self.trace.n_expert) > 0
 
-    def _verify(self, policy: Policy, pool: Pool, routing: StepRouting, start: float, acc: dict):
-        """One verify pass from `start`; returns (end time, [n_layer] layer times, unit-cost samples)."""
+    def _verify(self, policy: Policy, pool: Pool, routing: StepRouting, start: float, acc: dict, observe: bool = True):
+        """One verify pass from `start`; returns (end time, [n_layer] layer times, unit-cost samples).
+        observe: the policy sees the pass's layers (on_layer)."""
         c = self.costs
         counts, weights = layer_usage(routing, self.trace.n_expert)
         n_layer = counts.shape[0]
@@ -441,7 +469,7 @@ class Simulator:
             t += c.dense_layer_time(n_tokens, position)
             n = counts[layer]
             need = n > 0
-            if cached:  # the router has run: the layer's experts are in use
+            if cached and observe:  # the router has run: the layer's experts are in use
                 policy.on_layer(layer, n, weights[layer])
             seen_at = start if self.config.visibility == "pass" else t
             hit = need & at_start[layer] & pool.allocated[layer] & (pool.ready_at[layer] <= seen_at) & cached
@@ -506,6 +534,21 @@ class Simulator:
             return True
         slots = policy.per_layer_capacity or pool.capacity
         return n_tokens <= limit and min(n_tokens * self.trace.top_k, self.trace.n_expert) <= slots
+
+
+class _Counters:
+    """The pool's and the tier's running byte and stall counts at one moment (the end of a warm-up)."""
+
+    POOL = ("prefetch_bytes", "fetch_bytes")
+    TIER = ("bytes_read", "stalls", "wait_s")
+
+    def __init__(self, pool: Pool, tier) -> None:
+        self.at = {k: getattr(pool, k) for k in self.POOL}
+        self.at.update({k: getattr(tier, k) for k in self.TIER} if tier is not None else {})
+
+    def since(self, pool: Pool, tier) -> dict:
+        now = _Counters(pool, tier).at
+        return {k: now[k] - self.at[k] for k in now}
 
 
 class _InPassFetcher:
