@@ -237,6 +237,28 @@ def test_the_reuse_rule_admits_what_is_reused_and_not_a_one_token_expert():
     assert one_off.fetch_bytes == 0 and one_off.cpu_share == 1
 
 
+def test_the_reuse_rule_holds_both_halves_until_its_uploads_land():
+    """The engine's gate is a host op ahead of both halves that returns once its uploads have landed
+    (native miss_gate): the host half's experts start after them. One token, experts 0 and 1 missing,
+    a 6 ms copy: both rules upload 0 (lands at 6 ms, 1 ms on the device) and leave 1 on the host
+    (10 ms). HybriMoE's greedy overlaps them: 1 + 0.5 + 10 + 0.25 (sync) = 11.75 ms; the gate's host
+    half starts at 6: 17.75 ms."""
+    from dataclasses import replace
+
+    from orchestrator.sim.simulator import SimConfig, Simulator
+    from orchestrator.sim.trace import TraceWriter
+    from tests.test_sim_costs import COSTS
+
+    w = TraceWriter("unused.npz", n_layer=1, n_expert=3, top_k=2)
+    w.append(StepRouting(selected=np.array([[[0, 1]]]), n_drafted=0, n_accepted=0))
+    costs = replace(COSTS, pcie_bw=COSTS.expert_bytes / 6e-3, draft_token_s=0.0)
+    times = {p: Simulator(w.to_trace(), SimConfig(capacity=2), costs=costs).run(make_policy(p)) for p in ("hybrimoe", "spac-reuse")}
+    for r in times.values():
+        assert r.fetch_bytes == 1000 and r.cpu_share == 0.5
+    assert times["hybrimoe"].step_time[0] == pytest.approx(11.75e-3)
+    assert times["spac-reuse"].step_time[0] == pytest.approx(17.75e-3)
+
+
 def test_the_reuse_rule_waits_for_the_router_on_the_device():
     """Decided in a gate after the router: the device half waits for the router's choice on the
     host (one synchronize) before it computes, where greedy's starts at once."""

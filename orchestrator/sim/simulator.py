@@ -18,7 +18,9 @@ One verification step, as in MoE-SpAc Fig. 3 (times from `profiles.CostModel`):
                  layer time = max(device half, host half + sync)
                With miss mode "fetch" the layer instead copies each missing expert on demand
                and computes it on the device when it arrives; "greedy" splits the missing
-               experts between a copy and the host (HybriMoE), see `_greedy`. A readback
+               experts between a copy and the host (HybriMoE), see `_greedy`; decided in the
+               engine's gate (`gate_readback`, spac's miss rule) both halves start once the
+               gate's uploads have landed, as the gate returns only then. A readback
                cache (`Policy.readback_max_tokens`: llama.cpp's llama-moe-cache) first reads
                the router's choice back (one sync), uploads the misses, then computes every
                routed expert in one op; a pass of more tokens runs the layer on the host.
@@ -508,6 +510,14 @@ class Simulator:
                         end_device = fetcher.fetch(e, end_device, n[e])
                 else:
                     host_experts, end_device = fetcher.greedy(n, end_device)
+                    if policy.gate_readback:
+                        # the engine's gate, a host op ahead of both halves, returns once its
+                        # uploads have landed (native miss_gate): the host half starts after them,
+                        # the device half too, with the layer's resident and uploaded experts
+                        gate_end = max(t + c.sync_s, fetcher.landed)
+                        uploaded = np.setdiff1d(np.flatnonzero(miss), host_experts)
+                        end_device = gate_end + device + float(c.gpu_expert_s(n[uploaded]).sum())
+                        t_miss = max(t_miss, fetcher.landed)
             host = float(c.cpu_expert_s(n[host_experts]).sum())
             n_host = int(n[host_experts].sum())
             if c.zero_slot and n_host:  # the device multiplies the absent experts' tokens by zero slots
@@ -564,6 +574,7 @@ class _InPassFetcher:
         self.evicted = evicted
         self.protected = np.zeros_like(pool.allocated)
         self.protected[layer] = miss
+        self.landed = t  # when the last of the layer's copies arrives
 
     def _need_slot(self) -> bool:
         cap = self.policy.per_layer_capacity
@@ -597,10 +608,13 @@ class _InPassFetcher:
         copy from `earliest` into the slot of the policy's victim."""
         pool = self.pool
         if pool.allocated[self.layer, expert]:
-            return float(pool.ready_at[self.layer, expert])
-        if self._need_slot():
-            self._evict_one()
-        return pool.copy(self.layer, expert, earliest, in_pass=True)
+            arrival = float(pool.ready_at[self.layer, expert])
+        else:
+            if self._need_slot():
+                self._evict_one()
+            arrival = pool.copy(self.layer, expert, earliest, in_pass=True)
+        self.landed = max(self.landed, arrival)
+        return arrival
 
     def fetch(self, expert: int, device_free: float, n_tokens: int) -> float:
         """Copy (if needed) and compute `expert`; returns when the device is free again."""
