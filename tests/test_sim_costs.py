@@ -103,6 +103,8 @@ def test_a_warm_up_is_replayed_untimed():
     np.testing.assert_allclose(r.step_time, [10 * MS, 10 * MS])
     assert (r.n_steps, r.tokens, r.time_s) == (2, 4, pytest.approx(20 * MS))
     assert r.hit_rate == 1.0 and r.bytes_moved == 0
+    r = Simulator(tiny_trace(2), SimConfig(capacity=8, warm_up_steps=2), costs=COSTS).run(make_policy("lru"))
+    assert (r.n_steps, r.tokens, r.time_s) == (0, 0, 0.0)  # all warm-up: nothing timed
 
 
 def test_hybrimoe_greedy_split():

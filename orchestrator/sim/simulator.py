@@ -392,6 +392,8 @@ class Simulator:
                 tier.after_pass(routing.frequency(n_expert), now, self._utility(policy), self._oracle(s + 1))
             pool.apply(plan, now=now, evicts=policy.evicts)
 
+        if warm_up == n_steps:  # nothing after the warm-up: nothing timed
+            untimed = now
         tokens = int(trace.n_accepted[warm_up:n_steps].sum()) + n_steps - warm_up
         vram = c.static_bytes + self.capacity * c.expert_bytes
         moved = counted.since(pool, tier)

@@ -205,8 +205,9 @@ class TraceWriter:
     """Collects verification steps and writes one trace file.
 
     The live loop calls `append` once per verification step with the routing the engine
-    exported, and `append_prompt` after each prompt pass (it goes with the step that follows); the file is written by `close` (or on leaving a `with` block, also when the
-    block raises: every appended step is complete, so the partial trace is valid).
+    exported, and `append_prompt` after each prompt pass (kept with the step that follows); the
+    file is written by `close` (or on leaving a `with` block, also when the block raises: every
+    appended step is complete, so the partial trace is valid).
 
         with TraceWriter("run.npz", n_layer=48, n_expert=128, top_k=8, model="Qwen3-30B-A3B") as w:
             for routing in verify_steps():
