@@ -48,7 +48,7 @@ share of distinct experts), host share, collision misses (resident when the pass
 evicted by an in-pass copy, then needed later in the same pass), bytes moved, step time,
 tokens/s (tokens = accepted drafts + 1 per step).
 
-Why ~590 lines: the pool (slots, LRU order, in-pass copies and collisions) and the step's
+Why ~670 lines: the pool (slots, LRU order, in-pass copies and collisions) and the step's
 timing under the cost model are replayed together, pass by pass, with the host tier's reads
 where the model is larger than the RAM; the costs themselves are profiles.py, the host tier
 host_tier.py, the policies orchestrator.policies.
