@@ -24,8 +24,11 @@ COSTS = CostModel(expert_bytes=1000, expert_flops=4000, gpu_bw=1e6, gpu_flops=1e
 STEP = np.array([[[0, 1], [0, 2]], [[0, 2], [3, 2]]])
 
 
-def tiny_trace(n_steps=2):
+def tiny_trace(n_steps=2, prompt=False):
+    """n_steps of STEP; prompt: a prompt pass of STEP's rows before the first."""
     w = TraceWriter("unused.npz", n_layer=2, n_expert=4, top_k=2)
+    if prompt:
+        w.append_prompt(STEP)
     for _ in range(n_steps):
         w.append(StepRouting(selected=STEP, n_drafted=1, n_accepted=1))
     return w.to_trace()
@@ -76,11 +79,7 @@ def test_a_prompt_fills_an_in_pass_cache_untimed():
     """A prompt pass before a step (the trace's prompt_rows) is replayed as live: the experts a cache
     copies inside the passes upload in it are hits in the first step, and its time is not the
     decode's; a policy that plans between verify passes is not shown it."""
-    w = TraceWriter("unused.npz", n_layer=2, n_expert=4, top_k=2)
-    w.append_prompt(STEP)
-    for _ in range(2):
-        w.append(StepRouting(selected=STEP, n_drafted=1, n_accepted=1))
-    trace = w.to_trace()
+    trace = tiny_trace(prompt=True)
     # lru fetches the prompt's experts in the prompt pass (36 ms, test_on_demand_fetch_then_hits):
     # both steps then hit, 10 ms each, and the run takes 20 ms
     r = Simulator(trace, SimConfig(capacity=8), costs=COSTS).run(make_policy("lru"))
