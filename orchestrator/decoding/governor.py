@@ -23,7 +23,11 @@ Amortization Roofline objective of the paper:
   an MoE target's verify time swings by a quarter with the experts the text routes to, so a size
   probed once, on other text, must not outweigh the sizes measured all along. Between measured
   sizes it is interpolated linearly; outside them it follows the line's slope from the nearest
-  measured size.
+  measured size. The times are kept divided by a level that all sizes share (the machine's speed,
+  the text's experts): a size measured again moves it by `level_weight` of its log distance from
+  that size's median, so a size measured long ago, on a slower machine, scales with the ones in use
+  instead of keeping its γ out. From one size in use a faster machine and a cheaper size look
+  alike, and the level takes only a share of such a change (the size's median the rest).
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
 The first steps probe the batch sizes the model needs: γ_min twice (the very first step of a
@@ -62,6 +66,7 @@ class GovernorConfig:
     cost_weight: float = 0.3      # weight of a new draft / step time in its running average
     verify_window: int = 5        # T_verify(n): the median of the last measurements of size n ...
     verify_shrink: float = 3.0    # ... shrunk towards the line through all sizes as if it were 3 more (0: not)
+    level_weight: float = 0.1     # weight of a new measurement in the level all sizes share (0: no level)
     prior_acceptance: float = 0.7
     prior_weight: float = 2.0     # pseudo-observations behind α and behind each p_i's shrinkage
     switch_margin: float = 0.02   # leave the γ in force only for a predicted gain above 2%
@@ -102,6 +107,7 @@ class Governor:
         self.t_verify = [math.nan] * (n + 2)  # index n = batch size
         self.measured_at = [-1] * (n + 2)  # the step of the last measurement of each batch size
         self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
+        self._log_level = 0.0         # log of the level the verify times of every size share now
         self.steps = 0
         self.last_gamma = n
         self.current: int | None = None  # the γ in force (probes aside)
@@ -148,9 +154,7 @@ class Governor:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
             self.t_step = _average(self.t_step, other_s, c.cost_weight)
             b = min(n_drafted + 1, c.gamma_max + 1)
-            times = self._verify_times[b]
-            times.append(verify_s)
-            self.t_verify[b] = _median(times)
+            self._measured(b, verify_s)
             self.measured_at[b] = self.steps
         self.steps += 1
         self._tps = None
@@ -162,14 +166,29 @@ class Governor:
         if not plain:
             return
         self._plain = []
-        times = self._verify_times[1]
         for verify_s, other_s in plain:
             self.t_step = _average(self.t_step, other_s, self.cfg.cost_weight)
-            times.append(verify_s)
-        self.t_verify[1] = _median(times)
+            self._measured(1, verify_s)
         self.measured_at[1] = self.steps - 1
         self._tps = None
         self._judged = False
+
+    def _measured(self, batch: int, verify_s: float) -> None:
+        """One verify time of `batch` tokens: it moves the level by how far it is from what that
+        size measured before (a size measured for the first time has nothing to compare with), and
+        is kept divided by the level."""
+        times = self._verify_times[batch]
+        log_t = math.log(max(verify_s, 1e-9))
+        if times:
+            self._log_level += self.cfg.level_weight * (log_t - self._log_level - math.log(self.t_verify[batch]))
+        times.append(math.exp(log_t - self._log_level))
+        self.t_verify[batch] = _median(times)
+
+    @property
+    def level(self) -> float:
+        """The factor the verify times of every size share now (the machine's speed, the text's
+        experts): T_verify(n) = level × the roofline's shape at n."""
+        return math.exp(self._log_level)
 
     def _end_plain_run(self) -> None:
         self._fold()
@@ -239,7 +258,7 @@ class Governor:
         """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
         self._fold()
         roofline = self._roofline()
-        return math.nan if roofline is None else _interpolate(roofline, n)
+        return math.nan if roofline is None else self.level * _interpolate(roofline, n)
 
     def verify_costs(self, n: np.ndarray) -> np.ndarray:
         """verify_cost for an array of batch sizes."""
@@ -247,7 +266,7 @@ class Governor:
         roofline = self._roofline()
         if roofline is None:
             return np.full(len(n), np.nan)
-        return np.array([_interpolate(roofline, x) for x in np.asarray(n).tolist()])
+        return np.array([self.level * _interpolate(roofline, x) for x in np.asarray(n).tolist()])
 
     def _roofline(self) -> tuple[list[int], list[float], float] | None:
         """(measured batch sizes, their verify times shrunk towards the least-squares line through
@@ -285,9 +304,9 @@ class Governor:
                 return self._tps
             t_draft = 0.0 if math.isnan(self.t_draft) else self.t_draft
             t_step = 0.0 if math.isnan(self.t_step) else self.t_step
-            tps = []
+            tps, level = [], self.level
             for g, e in enumerate(self._expected_tokens()):
-                cost = g * t_draft + _interpolate(roofline, g + 1) + t_step
+                cost = g * t_draft + level * _interpolate(roofline, g + 1) + t_step
                 tps.append(e / cost if cost else math.inf)
             self._tps = tps
         return self._tps
@@ -352,7 +371,7 @@ class Governor:
         tps = self._throughput()
         best = max(tps[b - 1] for b in measured)
         t_step = 0.0 if math.isnan(self.t_step) else self.t_step
-        return (gamma + 1) / (gamma * self.t_draft + self.t_verify[measured[-1]] + t_step) > best
+        return (gamma + 1) / (gamma * self.t_draft + self.level * self.t_verify[measured[-1]] + t_step) > best
 
     def _probe_near(self, best: int) -> int:
         """The neighbour of `best` measured longest ago, if the model puts it within
