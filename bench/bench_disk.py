@@ -7,7 +7,9 @@ the file evicted from the page cache first, 2 threads; the file is at least 3x t
 a 6-layer Qwen3-30B-A3B-shaped Q4_0 file, made once under runs/). The rows:
 
   disk                       the disk's own rate in this run: 8 MiB reads in order, and 1 MiB reads
-                             at random offsets 16 and 32 at a time (the best is the limit)
+                             at random offsets 16 and 32 at a time (the best is the limit); in the
+                             limit, a gate's expert reads (madvise WILLNEED) and the same reads with
+                             O_DIRECT into buffers of their own, 24 in flight (rate, CPU per GB)
   llama-mmap                 stock llama-bench, mmap, --repack 0 (a repacked weight is copied out of the
                              mapping into memory: llama.cpp's default repack does not fit the limit)
   llama-mmap-repack          stock llama-bench, its defaults (reported, OOM or not)
@@ -169,6 +171,41 @@ def gate_reads(path: Path, expert_bytes: int, limit: int, k: int = 8, n_batches:
         wall += time.perf_counter() - t
     del pages
     return {"read_bytes_per_s": done / wall, "advise_cpu_s_per_byte": advise_cpu / done}
+
+
+def direct_reads(path: Path, expert_bytes: int, limit: int, k: int = 8, n_batches: int = 24, depth: int = 24) -> dict:
+    """In its own process (in the limit): the same batches as `gate_reads` (k experts, three ranges
+    each, at random offsets past a resident half of the limit touched before every batch), read as a
+    pool with direct reads does (llama_direct_reader): O_DIRECT preads into buffers of its own, `depth`
+    in flight. Returns {"read_bytes_per_s", "cpu_s_per_byte": the process's CPU time per byte}."""
+    import mmap
+
+    size = path.stat().st_size
+    resident = limit // 2
+    third = expert_bytes // 3 & ~4095
+    if resident + third >= size:
+        raise ValueError(f"{path}: {size} bytes is too small for a read probe in a {limit}-byte limit")
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    pages = np.frombuffer(m, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buffers = [mmap.mmap(-1, third) for _ in range(3 * k)]  # page-aligned, as O_DIRECT asks
+    rng = random.Random(1)
+    wall = cpu = 0.0
+    done = 0
+    with ThreadPoolExecutor(depth) as pool:
+        for _ in range(n_batches):
+            int(pages[:resident:4096].sum())
+            ranges = [rng.randrange(resident, size - third) & ~4095 for _ in range(3 * k)]
+            t, r = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            list(pool.map(lambda i: os.preadv(fd, [buffers[i]], ranges[i]), range(len(ranges))))
+            r2 = resource.getrusage(resource.RUSAGE_SELF)
+            wall += time.perf_counter() - t
+            cpu += (r2.ru_utime - r.ru_utime) + (r2.ru_stime - r.ru_stime)
+            done += third * len(ranges)
+    os.close(fd)
+    del pages
+    return {"read_bytes_per_s": done / wall, "cpu_s_per_byte": cpu / done}
 
 
 def in_limit(cmd: list[str], limit: int, path: Path) -> tuple[str, dict]:
@@ -427,10 +464,14 @@ def main() -> None:
     ap.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # a spac row's process
     ap.add_argument("--gammas", type=Path, help=argparse.SUPPRESS)  # a spac row's run in memory
     ap.add_argument("--gate-reads", type=int, help=argparse.SUPPRESS)  # gate_reads' process: an expert's bytes
+    ap.add_argument("--direct-reads", type=int, help=argparse.SUPPRESS)  # direct_reads' process: an expert's bytes
     ap.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.gate_reads:
         print(json.dumps(gate_reads(args.file, args.gate_reads, memory_cgroup.parse_size(args.limit))))
+        return
+    if args.direct_reads:
+        print(json.dumps(direct_reads(args.file, args.direct_reads, memory_cgroup.parse_size(args.limit))))
         return
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     if args.record:
@@ -463,13 +504,20 @@ def main() -> None:
     out, _ = in_limit([sys.executable, __file__, "--file", str(path), "--limit", args.limit, "--gate-reads",
                        str(expert_bytes(path))], limit, path)
     gate = json.loads(out)
+    # the other way to read an expert the issue names: O_DIRECT into buffers of the reader's own
+    # (tried as a CPU pool that reads its uploads itself, 2026-11-30: not kept, docs/benchmarks.md)
+    out, _ = in_limit([sys.executable, __file__, "--file", str(path), "--limit", args.limit, "--direct-reads",
+                       str(expert_bytes(path))], limit, path)
+    direct = json.loads(out)
     disk = Disk(gate["read_bytes_per_s"], measured.latency_s, measured.queue_depth)
     advise = calibrate_advice(path, limit, args.n_gen)
     print("disk: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in rates.items())
           + f"; a gate's reads in the limit (the replay's disk) {disk.read_bytes_per_s / 1e6:.0f} MB/s, "
           f"{disk.latency_s * 1e6:.0f} us, queue depth {disk.queue_depth}; sim/disk.py's measure "
           f"{measured.read_bytes_per_s / 1e6:.0f} MB/s; asking for a GB: the engine's gates {advise * 1e9:.2f} s "
-          f"(the calibration run), a lone thread's madvise {gate['advise_cpu_s_per_byte'] * 1e9:.2f} CPU-s", flush=True)
+          f"(the calibration run), a lone thread's madvise {gate['advise_cpu_s_per_byte'] * 1e9:.2f} CPU-s; the same "
+          f"reads with O_DIRECT, 24 in flight: {direct['read_bytes_per_s'] / 1e6:.0f} MB/s, "
+          f"{direct['cpu_s_per_byte'] * 1e9:.2f} CPU-s a GB", flush=True)
     spac_tier = ["--draft", "none"]  # -c 512 in every spac row: llama-bench's context is its own tokens
     draft = (["-md", str(args.model_draft)] if args.model_draft
              else ["--draft", "pool", "--device", "CPU", "--expert-budget", "5%"])
@@ -517,6 +565,7 @@ def main() -> None:
                                          "replay_disk": {"read_bytes_per_s": disk.read_bytes_per_s,
                                                          "latency_s": disk.latency_s, "queue_depth": disk.queue_depth,
                                                          "advise_s_per_byte": advise},
+                                         "gate_probe": gate, "direct_probe": direct,
                                          "steal_s": steal, "wall_s": wall, "others_cpu_s": others_s,
                                          "rows": rows}, indent=1))
 
