@@ -24,7 +24,9 @@ streaming its share of a buffer larger than the last-level cache, `spac_host_rea
 per file the read rate of one token's matmuls (the first layer's experts, its attention's Q
 weight and the output head) in each CPU buffer type that takes them, timed as `--repack auto`
 times them: the weights rotated through copies twice the last-level cache, so that they come
-from memory as in a real decode.
+from memory as in a real decode. The experts' CPU_EXACT matmul is then timed again in the kernel
+variant `--repack auto` would choose, 7 times, each between two read-rate measurements in the same
+process, and printed as a share of the higher (the median is the issue's "GEMV ÷ bandwidth").
 
 Every row runs in its own process, one at a time (llama.cpp's threads spin), rows alternating
 per repeat so that the machine's load hits each alike; the CPU's flags and the CPU time other
@@ -135,8 +137,33 @@ def decode_rates(path: Path, threads: int) -> list[dict]:
                 ms = exact_variant.time_variants(host_layout.matmul_timer, ggml_type, [(n_in, n_out, n_expert, n_used)],
                                                  threads, buft, list(exact_variant.EVERY))
                 row["variants_gb_s"] = {k: read / (v / 1e3) / 1e9 for k, v in ms.items()}
+                row["beside_read_rate"] = beside_read_rate(ggml_type, (n_in, n_out, n_expert, n_used), buft, threads,
+                                                           read, exact_variant.choose(ms))
             rows.append(row)
     return rows
+
+
+BESIDE_ROUNDS = 7
+
+
+def beside_read_rate(ggml_type: int, shape: tuple[int, int, int, int], buft: int, threads: int, read: int,
+                     variant) -> dict:
+    """The one-token expert matmul in the variant `--repack auto` would choose, each of BESIDE_ROUNDS
+    timings between two measurements of the memory read rate in the same process: its GB/s over the
+    higher of the two, per round (this host's speed drifts within minutes, so a matmul and a read
+    rate from other moments do not compare)."""
+    from orchestrator.runtime import exact_variant, host_layout
+    from orchestrator.runtime.native import host_read_rate
+
+    n_bytes = max(8 * host_layout.last_level_cache_bytes(), 512 << 20)
+    ratios = []
+    with exact_variant.using(variant), host_layout.matmul_timer(ggml_type, *shape, 1, buft, threads, cold=True) as timer:
+        for _ in range(BESIDE_ROUNDS):
+            before = host_read_rate(threads, n_bytes)
+            t = timer(3)
+            after = host_read_rate(threads, n_bytes)
+            ratios.append(read / t / max(before, after))
+    return {"variant": variant.key, "ratios": ratios}
 
 
 def run_measured(cmd: list[str]) -> tuple[str, int]:
@@ -229,6 +256,13 @@ def print_decode_rates(files: list[Path], threads: int) -> dict:
             print(f"| {name} | {r['weight']} | {r['type']} | {r['buft']} | {r['us']:.0f} | {r['gb_s']:.1f} | "
                   f"{r['gb_s'] / limit:.2f} |")
     print_variant_rates(out["matmuls"], limit)
+    for name, rows in out["matmuls"].items():
+        for r in rows:
+            if "beside_read_rate" in r:
+                b = r["beside_read_rate"]
+                print(f"{name} {r['weight']}, one token in variant {b['variant']}, each timing between two read-rate "
+                      f"measurements: {', '.join(f'{x:.2f}' for x in b['ratios'])} of the higher; median "
+                      f"{statistics.median(b['ratios']):.2f}")
     print(flush=True)
     return out
 
