@@ -46,6 +46,10 @@ catches up on every token it skipped) and a draft that cannot pay keeps finding 
 model the probes every 64 steps cost 3% of a plain decode loop's speed.
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
+
+Why ~415 lines: the model (acceptance per position, the verify roofline with its shrink and level),
+the decision with its probes, and the plain runs decided ahead are one object's state, read and
+written by each other at every step; split, each part would reach into the others' counters.
 """
 
 from __future__ import annotations
