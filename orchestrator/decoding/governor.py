@@ -108,7 +108,7 @@ class Governor:
         self._decay = 1.0             # decay the counts still owe (applied when they are next used)
         self.t_draft = math.nan      # seconds per drafted token
         self.t_step = math.nan       # seconds per step outside drafting and verifying
-        self.t_verify = [math.nan] * (n + 2)  # index n = batch size
+        self.t_verify = [math.nan] * (n + 2)  # index n = batch size: its median over the level
         self.measured_at = [-1] * (n + 2)  # the step of the last measurement of each batch size
         self._verify_times: list[deque] = [deque(maxlen=cfg.verify_window) for _ in range(n + 2)]
         self._log_level = 0.0         # log of the level the verify times of every size share now
@@ -182,10 +182,10 @@ class Governor:
         size measured before (a size measured for the first time has nothing to compare with), and
         is kept divided by the level."""
         times = self._verify_times[batch]
-        log_t = math.log(max(verify_s, 1e-9))
-        if times:
-            self._log_level += self.cfg.level_weight * (log_t - self._log_level - math.log(self.t_verify[batch]))
-        times.append(math.exp(log_t - self._log_level))
+        if times and self.cfg.level_weight:
+            seen = math.log(max(verify_s, 1e-9)) - math.log(max(self.t_verify[batch], 1e-9))
+            self._log_level += self.cfg.level_weight * (seen - self._log_level)
+        times.append(verify_s / self.level)
         self.t_verify[batch] = _median(times)
 
     @property
