@@ -25,7 +25,8 @@ per file the read rate of one token's matmuls (the first layer's experts, its at
 weight and the output head) in each CPU buffer type that takes them, timed as `--repack auto`
 times them: the weights rotated through copies twice the last-level cache, so that they come
 from memory as in a real decode. The experts' CPU_EXACT matmul is then timed again in the kernel
-variant `--repack auto` would choose, 7 times, each between two read-rate measurements in the same
+variant the variant table puts first (`exact_variant.choose`, `--repack auto`'s rule: the fastest,
+where it beats the default by 3%), 7 times, each between two read-rate measurements in the same
 process, and printed as a share of the higher (the median is the issue's "GEMV ÷ bandwidth").
 
 Every row runs in its own process, one at a time (llama.cpp's threads spin), rows alternating
@@ -148,7 +149,7 @@ BESIDE_ROUNDS = 7
 
 def beside_read_rate(ggml_type: int, shape: tuple[int, int, int, int], buft: int, threads: int, read: int,
                      variant) -> dict:
-    """The one-token expert matmul in the variant `--repack auto` would choose, each of BESIDE_ROUNDS
+    """The one-token expert matmul in `variant` (the variant table's choice), each of BESIDE_ROUNDS
     timings between two measurements of the memory read rate in the same process: its GB/s over the
     higher of the two, per round (this host's speed drifts within minutes, so a matmul and a read
     rate from other moments do not compare)."""
