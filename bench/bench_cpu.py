@@ -147,6 +147,15 @@ def decode_rates(path: Path, threads: int) -> list[dict]:
 BESIDE_ROUNDS = 7
 
 
+def memory_read_rate(threads: int) -> float:
+    """GB/s that `threads` threads read together from a buffer 8x the last-level cache (at least
+    512 MiB): what a one-token matmul is held to."""
+    from orchestrator.runtime.host_layout import last_level_cache_bytes
+    from orchestrator.runtime.native import host_read_rate
+
+    return host_read_rate(threads, max(8 * last_level_cache_bytes(), 512 << 20)) / 1e9
+
+
 def beside_read_rate(ggml_type: int, shape: tuple[int, int, int, int], buft: int, threads: int, read: int,
                      variant) -> dict:
     """The one-token expert matmul in `variant` (the variant table's choice), each of BESIDE_ROUNDS
@@ -154,16 +163,14 @@ def beside_read_rate(ggml_type: int, shape: tuple[int, int, int, int], buft: int
     higher of the two, per round (this host's speed drifts within minutes, so a matmul and a read
     rate from other moments do not compare)."""
     from orchestrator.runtime import exact_variant, host_layout
-    from orchestrator.runtime.native import host_read_rate
 
-    n_bytes = max(8 * host_layout.last_level_cache_bytes(), 512 << 20)
     ratios = []
     with exact_variant.using(variant), host_layout.matmul_timer(ggml_type, *shape, 1, buft, threads, cold=True) as timer:
         for _ in range(BESIDE_ROUNDS):
-            before = host_read_rate(threads, n_bytes)
+            before = memory_read_rate(threads)
             t = timer(3)
-            after = host_read_rate(threads, n_bytes)
-            ratios.append(read / t / max(before, after))
+            after = memory_read_rate(threads)
+            ratios.append(read / t / max(before, after) / 1e9)
     return {"variant": variant.key, "ratios": ratios}
 
 
@@ -236,18 +243,12 @@ def print_decode_rates(files: list[Path], threads: int) -> dict:
     rates against it (`decode_rates`, one process per file), printed; returned for --json. The
     read rate is measured before and after every file and the highest taken: on a host whose speed
     drifts, a matmul's best time and one read rate from another moment would not compare."""
-    from orchestrator.runtime.host_layout import last_level_cache_bytes
-    from orchestrator.runtime.native import host_read_rate
-
-    def read_rate() -> float:
-        return host_read_rate(threads, max(8 * last_level_cache_bytes(), 512 << 20)) / 1e9
-
-    rates = [read_rate()]
+    rates = [memory_read_rate(threads)]
     out = {"matmuls": {}}
     for f in files:
         text, _ = run_measured([sys.executable, __file__, "--rates-of", str(f), "-t", str(threads)])
         out["matmuls"][f.name] = json.loads(text.strip().splitlines()[-1])
-        rates.append(read_rate())
+        rates.append(memory_read_rate(threads))
     limit = out["read_rate_gb_s"] = max(rates)
     print(f"memory read rate, {threads} threads: {limit:.1f} GB/s, the highest of "
           f"{', '.join(f'{r:.1f}' for r in rates)} (before and after each file; the limit of a one-token matmul)")

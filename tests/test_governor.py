@@ -287,10 +287,10 @@ def test_times_measured_while_the_machine_was_slower_do_not_keep_their_gamma_out
                 tokens, seconds = tokens + a + 1, seconds + v + 0.005 * g + 0.002
         return chosen, tokens / seconds
 
-    chosen, level = run(GovernorConfig(gamma_max=8))
+    chosen, with_level = run(GovernorConfig(gamma_max=8))
     assert chosen[30:].count(8) >= 35
     stuck, without = run(GovernorConfig(gamma_max=8, level_weight=0.0))
-    assert max(stuck[30:]) < 8 and level > 1.1 * without
+    assert max(stuck[30:]) < 8 and with_level > 1.1 * without
     gov = Governor(GovernorConfig(gamma_max=8))
     gov.observe(0, 0, 0.0, 1.0)  # cold: dropped
     for _ in range(3):  # the machine is slower: both sizes measured at 1.5x

@@ -262,7 +262,7 @@ class Governor:
         """Estimated seconds of a verify pass of n tokens (NaN before any measurement)."""
         self._fold()
         roofline = self._roofline()
-        return math.nan if roofline is None else self.level * _interpolate(roofline, n)
+        return math.nan if roofline is None else _interpolate(roofline, n)
 
     def verify_costs(self, n: np.ndarray) -> np.ndarray:
         """verify_cost for an array of batch sizes."""
@@ -270,12 +270,12 @@ class Governor:
         roofline = self._roofline()
         if roofline is None:
             return np.full(len(n), np.nan)
-        return np.array([self.level * _interpolate(roofline, x) for x in np.asarray(n).tolist()])
+        return np.array([_interpolate(roofline, x) for x in np.asarray(n).tolist()])
 
     def _roofline(self) -> tuple[list[int], list[float], float] | None:
         """(measured batch sizes, their verify times shrunk towards the least-squares line through
         them, weighted by how many measurements each median has, the line's slope, never
-        negative), or None before any measurement."""
+        negative), in seconds at the level now, or None before any measurement."""
         known = [b for b, t in enumerate(self.t_verify) if t == t]  # t == t: not NaN
         if not known:
             return None
@@ -291,7 +291,8 @@ class Governor:
                         / sum(wi * x * x for wi, x in zip(w, dx)), 0.0)
             k = self.cfg.verify_shrink
             t = [(wi * y + k * (mean_t + slope * x)) / (wi + k) for wi, x, y in zip(w, dx, t)]
-        return known, t, slope
+        level = self.level
+        return known, [level * y for y in t], level * slope
 
     def throughput(self) -> np.ndarray:
         """Expected tokens per second of a step with γ = 0..γ_max (NaN where not estimable);
@@ -308,9 +309,9 @@ class Governor:
                 return self._tps
             t_draft = 0.0 if math.isnan(self.t_draft) else self.t_draft
             t_step = 0.0 if math.isnan(self.t_step) else self.t_step
-            tps, level = [], self.level
+            tps = []
             for g, e in enumerate(self._expected_tokens()):
-                cost = g * t_draft + level * _interpolate(roofline, g + 1) + t_step
+                cost = g * t_draft + _interpolate(roofline, g + 1) + t_step
                 tps.append(e / cost if cost else math.inf)
             self._tps = tps
         return self._tps
