@@ -23,7 +23,7 @@ First, what bounds a decode: the machine's memory read rate at these threads (ev
 streaming its share of a buffer larger than the last-level cache, `spac_host_read_rate`), and
 per file the read rate of one token's matmuls (the first layer's experts, its attention's Q
 weight and the output head) in each CPU buffer type that takes them, timed as `--repack auto`
-times them: the weights rotated through copies twice the last-level cache, so that they come
+times them: the weights rotated through copies eight times the last-level cache, so that they come
 from memory as in a real decode. The experts' CPU_EXACT matmul is then timed again in the kernel
 variant the variant table puts first (`exact_variant.choose`, `--repack auto`'s rule: the fastest,
 where it beats the default by 3%), 7 times, each between two read-rate measurements in the same

@@ -10,7 +10,7 @@ order), so every variant gives the same bits (tests/test_exact_variant.py) and o
 chosen.
 
 The choice is timed as a decode reads: the model's routed-expert matmuls at one token in
-CPU_EXACT's layout, the weights rotated through copies twice the last-level cache
+CPU_EXACT's layout, the weights rotated through copies eight times the last-level cache
 (`host_layout.matmul_timer`, passed in: host_layout imports this module), first the group
 counts at the default distance, then the distances at the best count. The default is kept unless
 another variant is faster by MIN_GAIN (the timings' noise). The times are cached per CPU beside
