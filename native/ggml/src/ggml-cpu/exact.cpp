@@ -587,7 +587,9 @@ void interleave_group(ggml_type type, const uint8_t * src, size_t row_stride, in
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define EXACT_KERNEL "avx512-vnni"
-constexpr int TILE_MAX = 8;  // 8 zmm of weights, one accumulator per token
+// a tile's tokens: an accumulator each, beside 8 zmm of weights (of 32). 16 rather than 8: a
+// 512-token prompt of a Qwen3-30B-A3B shape (Q4_0) 868 -> 938 tok/s on a Zen 5, the same bits
+constexpr int TILE_MAX = 16;
 #define EXACT_KERNEL_TAKES_GROUPS  // tile_simd below computes G groups itself
 
 // a table type's values offset by 128, as unsigned bytes
@@ -1162,6 +1164,19 @@ void groups_kernel(const uint8_t * w, int64_t gstride, int64_t K, const act_row 
     }
 }
 
+// one group for T tokens, 1 <= T <= TILE_MAX: the kernel compiled for T
+template <ggml_type TYPE, int N = 1>
+void tile_of_tokens(const uint8_t * w, int64_t gstride, int64_t K, int T, const act_row * x, float * y) {
+    if constexpr (N < TILE_MAX) {
+        if (T > N) {
+            tile_of_tokens<TYPE, N + 1>(w, gstride, K, T, x, y);
+            return;
+        }
+    }
+    GGML_ASSERT(T == N);
+    groups_kernel<TYPE, 1, N>(w, gstride, K, x, y);
+}
+
 // a single token's matmul takes G groups at once (gemv_groups)
 template <ggml_type TYPE>
 void tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
@@ -1175,17 +1190,7 @@ void tile(const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act
         }
         return;
     }
-    switch (T) {
-        case 1: groups_kernel<TYPE, 1, 1>(w, gstride, K, x, y); break;
-        case 2: groups_kernel<TYPE, 1, 2>(w, gstride, K, x, y); break;
-        case 3: groups_kernel<TYPE, 1, 3>(w, gstride, K, x, y); break;
-        case 4: groups_kernel<TYPE, 1, 4>(w, gstride, K, x, y); break;
-        case 5: groups_kernel<TYPE, 1, 5>(w, gstride, K, x, y); break;
-        case 6: groups_kernel<TYPE, 1, 6>(w, gstride, K, x, y); break;
-        case 7: groups_kernel<TYPE, 1, 7>(w, gstride, K, x, y); break;
-        case 8: groups_kernel<TYPE, 1, 8>(w, gstride, K, x, y); break;
-        default: GGML_ABORT("CPU_EXACT: tile of %d tokens", T);
-    }
+    tile_of_tokens<TYPE>(w, gstride, K, T, x, y);
 }
 
 void run_tile(ggml_type type, const uint8_t * w, int64_t gstride, int G, int64_t K, int T, const act_row * x, float * y) {
