@@ -392,12 +392,17 @@ def test_a_decode_timing_reads_its_weights_from_memory(monkeypatch):
     """`--repack auto` times a decode batch over copies of the weight that read together at
     least COLD_CACHE_FACTOR times the last-level cache (a real decode streams its weights; a few MB
     timed again and again would run from the cache, and so does part of a rotation through twice
-    it on a Zen 5), at most COLD_MAX_COPIES; one copy where the weight alone is that large."""
+    it on a Zen 5), at most COLD_MAX_COPIES and COLD_MAX_BYTES of copies; one copy where the weight
+    alone is that large."""
     monkeypatch.setattr(host_layout, "last_level_cache_bytes", lambda: 32 << 20)
     assert host_layout.COLD_CACHE_FACTOR >= 8
     want = host_layout.COLD_CACHE_FACTOR * (32 << 20)
-    for weight, touched in ((8 << 20, 1.0), (7 << 20, 0.75), (28 << 20, 0.25), (5 << 20, 1.0)):
+    for weight, touched in ((8 << 20, 1.0), (7 << 20, 0.75), (20 << 20, 0.5), (5 << 20, 1.0)):
         n = host_layout.cold_copies(weight, touched)
         assert n * weight * touched >= want and (n - 1) * weight * touched < want
     assert host_layout.cold_copies(1 << 10) == host_layout.COLD_MAX_COPIES
     assert host_layout.cold_copies(want) == 1
+    # a large expert matrix of which one token reads a quarter: no more than COLD_MAX_BYTES of copies
+    big = 200 << 20
+    assert host_layout.cold_copies(big, 0.25) == host_layout.COLD_MAX_BYTES // big
+    assert host_layout.cold_copies(2 * host_layout.COLD_MAX_BYTES, 0.25) == 1

@@ -18,8 +18,8 @@ AVX-512 one: repacked Q4_0 is faster at every batch, repacked Q4_K faster at one
 slower on a 512-token prompt), so `auto` times one expert matmul (MUL_MAT_ID, the model's own
 shape, random routing) in both layouts at one token, at a verify batch and at a prefill ubatch,
 its weights read from memory as a decode reads them (copies of the weight in turn, together eight
-times the last-level cache: a few MB timed again and again would run from the cache, and so does
-part of a rotation through twice it).
+times the last-level cache, at most 1 GiB of them: a few MB timed again and again would run from
+the cache, and so does part of a rotation through twice it).
 A type is repacked where decoding (one token and the verify batch) is faster repacked; where a
 prompt is faster on the plain layout, prompt ubatches read plain twins of its weights (the file's
 bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that stay on the host
@@ -113,8 +113,10 @@ DENSE_MIN_GAIN = 1.25
 # timings read their weights from memory: copies of the weight in turn, reading together this many
 # times the last-level cache, at most this many copies (`cold_copies`). Twice was not enough: on a
 # Zen 5 (32 MiB L3) one token of Q4_0 experts read 73.5-75.0 GB/s over copies twice the L3, above
-# the 75 GB/s the machine streams, and 62-64 over copies 8 or 16 times it (2026-11-30)
-COLD_CACHE_FACTOR, COLD_MAX_COPIES = 8, 64
+# the 75 GB/s the machine streams, and 62-64 over copies 8 or 16 times it (2026-11-30). The copies
+# take at most COLD_MAX_BYTES at once (a model's first load times its weights beside its own
+# memory): a large expert matrix on a CPU with a large L3 reads fewer times the cache then
+COLD_CACHE_FACTOR, COLD_MAX_COPIES, COLD_MAX_BYTES = 8, 64, 1 << 30
 _GGML_TYPE_F32, _GGML_TYPE_I32 = 0, 26
 
 
@@ -341,9 +343,10 @@ def cold_copies(weight_bytes: int, touched: float = 1.0) -> int:
     """How many copies of a weight a timing rotates through so that a run reads them from memory,
     as a model's decode does (a few MB of experts timed again and again would sit in the
     last-level cache): COLD_CACHE_FACTOR times the cache's size in the bytes a matmul reads (`touched`: its share of
-    the weight), at most COLD_MAX_COPIES."""
+    the weight), at most COLD_MAX_COPIES and COLD_MAX_BYTES of copies."""
     read = max(weight_bytes * touched, 1.0)
-    return int(min(COLD_MAX_COPIES, max(1, -(-COLD_CACHE_FACTOR * last_level_cache_bytes() // read))))
+    wanted = -(-COLD_CACHE_FACTOR * last_level_cache_bytes() // read)
+    return int(max(1, min(COLD_MAX_COPIES, COLD_MAX_BYTES // max(weight_bytes, 1), wanted)))
 
 
 def time_matmul(ggml_type: int, n_in: int, n_out: int, n_expert: int, n_used: int, n_tokens: int,
