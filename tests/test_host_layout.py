@@ -55,13 +55,13 @@ def test_auto_measures_each_type_and_caches_it(files, tmp_path):
             assert len(choice.plain_ms) == len(choice.repack_ms) == 3
             decode_gain = sum(choice.plain_ms[:2]) / sum(choice.repack_ms[:2])
             assert choice.repack == (decode_gain > 1.0)
-            assert choice.plain_prefill == (choice.repack and choice.plain_ms[2] < choice.repack_ms[2])
+            assert choice.plain_prefill == (choice.repack and host_layout.plain_prompts_pay(choice.plain_ms, choice.repack_ms))
     cache = json.loads((tmp_path / "cache" / "host_layout.json").read_text())
     experts = [k for k in cache if "|dense|" not in k]
     assert len(experts) == sum(c.repack_ms is not None or c.plain_ms == [] for c in layout.types.values())
     for choice in layout.dense.values():  # the dense weights' buffer type: the fastest at decoding, by a margin
         assert choice.buft == host_layout.dense_layout(choice.ms)  # and plain twins where a prompt is faster plain
-        assert choice.plain_prefill == (choice.buft != "CPU" and choice.ms["CPU"][2] < choice.ms[choice.buft][2])
+        assert choice.plain_prefill == (choice.buft != "CPU" and host_layout.plain_prompts_pay(choice.ms["CPU"], choice.ms[choice.buft]))
     again = host_layout.choose(files["q4_k_m"], n_threads=2)
     assert again.report() == layout.report() and again.repacked == layout.repacked
 

@@ -110,6 +110,9 @@ MAX_BENCH_ROWS = 4096
 # wherever it measures no slower: Q4_0 attention at 1.15-1.19x here was worth 1.38x in whole decode
 # passes of a 4-layer Qwen3-30B-A3B shape (spac 0.72x llama.cpp's default with it plain, 1.14x repacked).
 DENSE_MIN_GAIN = 1.25
+# a plain twin keeps the file's bytes of a weight resident beside its repacked copy: taken only where
+# a prompt ubatch is this much faster plain (a 1.00x tie on an AVX2 build's IQ4_XS twinned for nothing)
+PLAIN_TWIN_MIN_GAIN = 1.05
 # timings read their weights from memory: copies of the weight in turn, reading together this many
 # times the last-level cache, at most this many copies (`cold_copies`). Twice was not enough: on a
 # Zen 5 (32 MiB L3) one token of Q4_0 experts read 73.5-75.0 GB/s over copies twice the L3, above
@@ -747,6 +750,12 @@ def dense_layout(ms: dict[str, list[float]]) -> str:
     return "CPU"
 
 
+def plain_prompts_pay(plain_ms: list[float], repacked_ms: list[float]) -> bool:
+    """Whether a prompt ubatch (the times' third entry) in the plain layout beats the repacked one by
+    PLAIN_TWIN_MIN_GAIN: then prompts read a plain twin."""
+    return plain_ms[2] * PLAIN_TWIN_MIN_GAIN < repacked_ms[2]
+
+
 def on_host(name: str, n_gpu_layers: int, n_block: int) -> bool:
     """Whether llama.cpp keeps a weight in host memory with n_gpu_layers layers on a GPU (spac's
     count: the last n repeating layers and the output; -1 every layer): the routed experts always
@@ -870,8 +879,8 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
         else:
             gain = (plain[0] + plain[1]) / (repacked[0] + repacked[1])
             why = f"{buft}: decode {gain:.2f}x, prefill {plain[2] / repacked[2]:.2f}x"
-            choice = TypeChoice(name, gain > 1.0, why, plain, repacked, plain_prefill=gain > 1.0 and plain[2] < repacked[2],
-                                buft=buft)
+            choice = TypeChoice(name, gain > 1.0, why, plain, repacked,
+                                plain_prefill=gain > 1.0 and plain_prompts_pay(plain, repacked), buft=buft)
         layout.types[name] = choice
     for ggml_type, shapes in sorted(dense.items()):
         name = gguf.GGMLQuantizationType(ggml_type).name
@@ -893,7 +902,8 @@ def choose(path: str | Path, n_threads: int, mode: Repack | str = Repack.AUTO, n
         gain = (plain[0] + plain[1]) / (ms[shown][0] + ms[shown][1])
         why = f"{shown}: decode {gain:.2f}x, prefill {plain[2] / ms[shown][2]:.2f}x"
         # as the experts: decoding in the chosen layout, a prompt in the file's where that is faster
-        layout.dense[name] = DenseChoice(name, chosen, why, ms, plain_prefill=chosen != "CPU" and plain[2] < ms[chosen][2])
+        layout.dense[name] = DenseChoice(name, chosen, why, ms,
+                                         plain_prefill=chosen != "CPU" and plain_prompts_pay(plain, ms[chosen]))
     _choose_variant(layout, experts, n_threads, bufts, cached, key_base)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
