@@ -91,7 +91,11 @@ def session(models, tmp_path, draft="self_draft", gamma=4, expert_engine=False, 
 def test_greedy_is_lossless(models, references, tmp_path, gamma, engine):
     if engine and not engine_built():
         pytest.skip("native engine not built")
-    with session(models, tmp_path, gamma=gamma, expert_engine=engine, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) as s:
+    # γ fixed: under load the governor may find drafting cannot pay and take only plain steps, and
+    # then the split path this checks need not copy (test_adaptive_gamma_is_lossless_and_bounded
+    # holds the governor's text to the target's)
+    with session(models, tmp_path, gamma=gamma, expert_engine=engine, adaptive_gamma=False,
+                 pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) as s:
         for prompt, ref in zip(prompts(), references):
             c = s.complete(prompt, max_tokens=N_TOKENS)
             assert c.tokens == ref, f"prompt {prompt}: first difference at {_first_diff(c.tokens, ref)}"
