@@ -372,10 +372,14 @@ def test_recalibrate_leaves_the_session_owning_its_plans(models, tmp_path):
         assert s.policy.static is static and (s._resident() == wanted).all()
 
 
-def test_adaptive_gamma_is_lossless_and_bounded(models, references, tmp_path):
+@pytest.mark.parametrize("engine", [False, True], ids=["plain", "engine"])
+def test_adaptive_gamma_is_lossless_and_bounded(models, references, tmp_path, engine):
     """The governor (on by default) changes only how many tokens are drafted: the greedy text
-    is the target's, and no step drafts more than the bound."""
-    with session(models, tmp_path, gamma=6) as s:
+    is the target's, and no step drafts more than the bound; with the expert engine too, whose
+    policy also plans after the plain steps the governor may take."""
+    if engine and not engine_built():
+        pytest.skip("native engine not built")
+    with session(models, tmp_path, gamma=6, expert_engine=engine, pool=(PoolDevice("CPU", Budget(ratio=0.25)),)) as s:
         assert s.governor is not None
         for prompt, ref in list(zip(prompts(), references))[:4]:
             assert s.complete(prompt, max_tokens=N_TOKENS).tokens == ref
