@@ -21,11 +21,12 @@ its weights read from memory as a decode reads them (copies of the weight in tur
 times the last-level cache, at most 1 GiB of them: a few MB timed again and again would run from
 the cache, and so does part of a rotation through twice it).
 A type is repacked where decoding (one token and the verify batch) is faster repacked; where a
-prompt is faster on the plain layout, prompt ubatches read plain twins of its weights (the file's
-bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that stay on the host
+prompt is faster on the plain layout (by PLAIN_TWIN_MIN_GAIN), prompt ubatches read plain twins of
+its weights (the file's bytes in place, patch 0010: `native.model_plain_twins`). The dense weights that stay on the host
 (attention, output head: MUL_MAT) go, per type, to whichever CPU buffer type decodes them fastest:
 the plain one, CPU_REPACK, or AMX on CPUs that have it (patches 0011-0012 make it safe), with plain
-twins for prompts where the plain layout is faster there (Q4_K in CPU_EXACT on an AVX2 CPU). The
+twins for prompts where the plain layout is faster there by the same margin (Q4_K in CPU_EXACT on an
+AVX2 CPU). The
 times are cached per CPU (model name and flags), build, threads and shape, beside the warm-up
 calibration. SPAC_HIDE_CPU_FEATURES=amx hides AMX from every choice, so that a CPU with it runs
 as the many without it do (the tests run both ways).
