@@ -197,7 +197,8 @@ def mtp_layers_of(path) -> int:
 
 
 def test_cli_draft_mtp(files):
-    """`spac generate --draft mtp`: the target's tokens, drafted by its MTP head."""
+    """`spac generate --draft mtp`: the target's tokens, drafted by its MTP head; a file with an MTP
+    head drafts with it by default (setup.session_setup), pool or not."""
     args = ["generate", mrf.PROMPTS[1], "-m", str(files["q8_0"]), "-n", "16", "--temp", "0", "-t", "2", "-c", "256",
             "--json", "--repack", "off", "--no-engine"]
     r = runner.invoke(app, [*args, "--draft", "none"])
@@ -208,6 +209,10 @@ def test_cli_draft_mtp(files):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["draft"] == "mtp" and got["mode"] == "speculative"
     assert got["tokens"] == want["tokens"]
+    r = runner.invoke(app, [*args, "--draft-max", "3"])
+    assert r.exit_code == 0, r.output
+    default = json.loads(r.stdout.strip().splitlines()[-1])
+    assert default["draft"] == "mtp" and default["tokens"] == want["tokens"]
 
 
 def test_draft_mtp_without_mtp_layers(tmp_path):

@@ -25,6 +25,15 @@ def test_run_writes_table_and_plot(tmp_path):
     assert (tmp_path / "policies.json").exists()
 
 
+
+def test_drafts_made_of_the_target(tmp_path):
+    """--draft mtp / pool: the target's own MTP head or pool draft; a target without an MTP block
+    is one error naming --draft (exit 2)."""
+    r = invoke("sim", "run", "--steps", 6, "-p", "spac", "--model", "qwen3.6-35b-a3b", "--draft", "mtp", "--out", tmp_path)
+    assert r.exit_code == 0 and "draft mtp" in r.output, r.output
+    r = invoke("sim", "run", "--steps", 6, "-p", "spac", "--model", "qwen3-30b-a3b", "--draft", "mtp", "--out", tmp_path)
+    assert r.exit_code == 2 and "--draft" in r.output and "no MTP block" in r.output, r.output
+
 def test_trace_synth_info_and_replay(tmp_path):
     path = tmp_path / "olmoe.npz"
     r = invoke("trace", "synth", path, "--steps", 8, "--model", "olmoe-1b-7b", "--gamma", 4)

@@ -278,6 +278,53 @@ def test_a_hybrid_keeps_kv_in_its_full_attention_blocks_and_a_state_in_the_other
         CostModel.build(hw, m, model("qwen3-4b"), snapshots=8).static_bytes
 
 
+
+def test_drafts_made_of_the_target_cost_its_own_weights():
+    """--draft pool: one token through every block and the head with top_k device experts per MoE
+    layer, no crossing, no weights of its own; a second context's KV and two recurrent states.
+    --draft mtp: the MTP block's weights and the head on the device, top_k host experts behind one
+    crossing, and once per drafting step the catch-up decode's other tokens' experts."""
+    from orchestrator.sim.profiles import MTP_CATCH_UP_TOKENS, SELF_DRAFTS
+
+    m, hw = model("qwen3.6-35b-a3b"), hardware("rtx4060")
+    assert SELF_DRAFTS == ("pool", "mtp")
+    bare = CostModel.build(hw, m)
+    w_e, bpw = m.expert_bytes("Q4_K"), m.expert_bytes("Q4_K") / m.expert_params
+    overhead = hw.layer_overhead_us * 1e-6
+
+    pool = CostModel.build(hw, m, "pool")
+    state = sum(m.state_traffic())  # one token: each block reads its state and writes a snapshot
+    one_token = (m.non_expert_bytes() + m.n_layer * (state + m.top_k * w_e)) / hw.gpu_bw + m.n_block * overhead
+    assert pool.draft_token_s == pytest.approx(one_token) and pool.draft_step_s == 0.0
+    assert pool.static_bytes == pytest.approx(bare.static_bytes + 4096 * m.kv_bytes_per_token + 2 * m.state_bytes)
+
+    mtp = CostModel.build(hw, m, "mtp")
+    host_expert = w_e / hw.cpu_bw
+    device = (m.mtp_block_params + m.head_params) * bpw / hw.gpu_bw + overhead + hw.sync_us * 1e-6
+    assert mtp.draft_token_s == pytest.approx(device + m.top_k * host_expert)
+    assert mtp.draft_step_s == pytest.approx((MTP_CATCH_UP_TOKENS - 1) * m.top_k * host_expert)
+    kv_block = m.kv_bytes_per_token / 10  # one of the 10 full-attention blocks
+    assert mtp.static_bytes == pytest.approx(bare.static_bytes + m.mtp_block_params * bpw + 4096 * kv_block)
+    assert mtp.draft_time(0) == 0.0 and mtp.draft_time(3) == pytest.approx(3 * mtp.draft_token_s + mtp.draft_step_s)
+
+    # the names go where a draft model's would; a target without an MTP block refuses "mtp"
+    assert SimConfig(hardware="rtx4060", model=m.key, draft="mtp").costs() == mtp
+    with pytest.raises(ValueError, match="no MTP block"):
+        SimConfig(hardware="rtx4060", model="qwen3-30b-a3b", draft="mtp").costs()
+    with pytest.raises(ValueError, match="unknown draft"):
+        CostModel.build(hw, m, "eagle")
+
+
+def test_the_simulator_charges_a_drafting_steps_own_time_once():
+    """draft_step_s (the MTP head's catch-up) once per step that drafts, before its draft tokens:
+    the tiny case's step with one draft token, 2 ms, takes 3 ms more (host misses, as in
+    test_prefetch_during_drafting_and_visibility's 64.5 ms). Step 1 drafts for 5 ms, long enough
+    for the first of step 0's copies (issued at 67.5, 5 ms each) to land before its pass: that
+    expert's 10 ms on the host becomes 1 ms on the device, beside the layer's other host experts."""
+    with_step = CostModel(**{**COSTS.__dict__, "draft_step_s": 3 * MS})
+    r = run(make_policy("lru", miss="cpu"), capacity=8, costs=with_step)
+    np.testing.assert_allclose(r.step_time, [67.5 * MS, 57.5 * MS])
+
 def test_a_hybrid_profile_from_its_gguf(tmp_path):
     """A qwen35moe file's profile counts its KV and recurrent state as the placement does."""
     from orchestrator.gguf_files.gguf_export import make_random_model, tiny_config
@@ -309,3 +356,7 @@ def test_the_gpu_projection_has_the_hybrid_rows():
     assert cap[0] - cap[8] == pytest.approx(8 * m.state_bytes / m.expert_bytes("Q4_K"), abs=1)
     r = proj.row("rtx4060", m.key, "Q4_K", 2, "spac/host", steps=30, seed=0)
     assert r["tok_s"] > 0 and 0 < r["share"] < 1 and r["gamma"] == 2
+    # spac drafts it with its MTP head by default, llama.cpp with the faster of its MTP draft and Qwen3-0.6B
+    assert proj.SPAC_DRAFTS[m.key] == ("mtp", "pool") and proj.LLAMA_DRAFTS[m.key] == ("mtp", proj.DRAFT)
+    r = proj.row("rtx4060", m.key, "Q4_K", 2, "spac", steps=30, seed=0, draft="mtp")
+    assert r["tok_s"] > 0 and r["draft"] == "mtp"

@@ -134,7 +134,7 @@ class CliFlags:
         "pool: the target itself drafts, routed only to the experts in the device pool (costs its "
         "KV cache only); mtp: the target's multi-token-prediction head (Qwen3.5/3.6-MoE, Qwen3-Next files "
         "converted with it); none: no speculation \\[default: -md, else the shipped draft of the shipped target, "
-        "else pool when the expert pool is on]"))
+        "else mtp when the file has an MTP head, else pool when the expert pool is on]"))
     expert_budget: Optional[str] = option("--expert-budget", default=None, show_default=False, help=(
         "device pool: bytes (512M, 2GiB) or % of all experts; several devices: one value "
         "each (25%,50%), a % being of that device's layers' experts, or one for all \\[default: the free device "
@@ -209,7 +209,7 @@ class RunOptions:
 
     model: Path | None = None
     model_draft: Path | None = None
-    draft: DraftKind | None = None  # None: chosen by resolve_models (-md, the shipped draft, else the pool draft)
+    draft: DraftKind | None = None  # None: chosen by resolve_models (-md, the shipped draft, else the MTP head or the pool draft)
     # --device and --expert-budget: one entry per device with its budget (a name None: not given)
     pool: tuple[PoolDevice, ...] = (PoolDevice(),)
     rpc: tuple[str, ...] = ()    # RPC servers' HOST:PORT

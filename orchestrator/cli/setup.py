@@ -4,7 +4,8 @@
     session, setup = open_session(opts, err)  # its loading shown on stderr; or one line there and exit 2
 
 `session_setup` reads top to bottom: options (`resolve_models`: -m/-md/--draft, the shipped
-models, else the pool draft, as a `Draft`; the files checked) → devices (`_pool_devices`:
+models, else the pool draft, as a `Draft`; the files checked; the MTP head instead where the
+file has one) → devices (`_pool_devices`:
 --engine, --rpc servers registered first, --device against ggml's list) → placement (`_place`,
 runtime/placement.py; `_place_without_pool_draft` when a hybrid's pool draft lost its pool) →
 the session's config (`RunOptions.config` with what was resolved), with a note per decision.
@@ -19,7 +20,7 @@ from rich.console import Console
 
 from orchestrator import shipped_models
 from orchestrator.cli.options import RunOptions, fail
-from orchestrator.decoding.draft import NO_DRAFT, POOL_DRAFT, Draft, DraftKind
+from orchestrator.decoding.draft import MTP_DRAFT, NO_DRAFT, POOL_DRAFT, Draft, DraftKind
 from orchestrator.decoding.speculative import Session, SessionConfig
 from orchestrator.runtime import progress
 from orchestrator.runtime.host_tier import HostBudget, HostTiers, plan_tiers
@@ -59,8 +60,9 @@ def _is_shipped_target(path: Path, target: Path) -> bool:
 
 
 def resolve_models(opts: RunOptions) -> tuple[Path, Draft, str]:
-    """(target, draft, note): -m/-md, else the shipped models, else the pool draft (POOL_DRAFT,
-    dropped by session_setup when the pool is off); note says why there is no draft."""
+    """(target, draft, note): -m/-md, else the shipped models, else the pool draft (POOL_DRAFT:
+    session_setup makes it the MTP head where the file has one, and drops it when the pool is
+    off); note says why there is no draft."""
     model = opts.model
     draft = Draft.of(opts.model_draft) if opts.draft is None else Draft.of(opts.draft)
     shipped_target, shipped_draft = default_models()
@@ -110,6 +112,10 @@ def session_setup(opts: RunOptions) -> Setup:
     Options → devices → placement → the session's config, top to bottom."""
     model, draft, draft_note = resolve_models(opts)
     sizes = _check_files(model, draft)
+    if draft.kind is DraftKind.POOL and opts.draft is None and sizes.mtp_layers:
+        # the file's MTP head drafts, as vLLM's MTP method does for these models: one block and the
+        # head per token, where the pool draft reads every block (bench/sim_gpu_projection.py)
+        draft = MTP_DRAFT
     dev = _pool_devices(opts, sizes)
     p = _place(opts, sizes, dev, draft)
     off = _pool_off(model, sizes, dev.expert_engine, p)
@@ -125,6 +131,8 @@ def session_setup(opts: RunOptions) -> Setup:
         notes.insert(0, "no draft (-md DRAFT.gguf, or an expert pool for the pool draft)")
     elif draft.kind is DraftKind.POOL:
         notes.insert(0, "draft: the target through its expert pool (--draft none: no speculation)")
+    elif draft.kind is DraftKind.MTP and opts.draft is None:
+        notes.insert(0, "draft: the target's MTP head (--draft pool: the pool draft; --draft none: no speculation)")
     pool = p.pool or (PoolDevice("CPU", Budget(ratio=DEFAULT_BUDGET_RATIO)),)
     tiers = _host_tiers(opts, sizes, pool if not off else (), p.n_gpu_layers, draft.kind is DraftKind.POOL and not off)
     if tiers.on_disk:

@@ -29,6 +29,7 @@ class ModelSizes:
     n_expert: int = 0
     n_ff_active: int = 0       # a token's expert FFN width: n_expert_used routed experts' plus the shared ones'
     active_params: int = 0     # weights a token multiplies: every matrix but the token embeddings, routed experts at n_used / n_expert
+    mtp_layers: int = 0        # multi-token-prediction layers after the trunk (nextn_predict_layers): an MTP head
 
     @property
     def one_expert(self) -> int:
@@ -82,7 +83,8 @@ def model_sizes(path: str | Path) -> ModelSizes:
                       n_experts_total=len(layers) * n_expert, n_ctx_train=int(get(k(gguf.Keys.LLM.CONTEXT_LENGTH), 0)),
                       staging_bytes=2 * sum(groups.values()), state_bytes=sum(recurrent) * state_per_layer(get, arch),
                       n_embd=n_embd, n_vocab=n_vocab, n_head=n_head, n_expert=n_expert, n_ff_active=n_used * n_ff_exp + n_ff_shared,
-                      active_params=dense + (routed * n_used // n_expert if n_expert else 0))
+                      active_params=dense + (routed * n_used // n_expert if n_expert else 0),
+                      mtp_layers=int(get(k(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS), 0) or 0))
 
 
 # hybrids whose layers are linear attention but every full_attention_interval-th (llama.cpp's

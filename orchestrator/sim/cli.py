@@ -60,7 +60,8 @@ ModelOpt = typer.Option(None, "--model-profile", "--model",
                              "the trace's own model, from the GGUF it was recorded from]")
 GgufOpt = typer.Option(None, "--gguf", help="GGUF the trace was recorded from (its shape and expert size)")
 DEFAULT_MODEL = "qwen3-30b-a3b"
-DraftOpt = typer.Option(None, "--draft", help="draft model profile or GGUF, or 'none' for free drafting "
+DraftOpt = typer.Option(None, "--draft", help="draft model profile or GGUF, 'pool' or 'mtp' (spac's drafts made of "
+                        "the target: its pool draft, its MTP head), or 'none' for free drafting "
                         "[default: qwen3-4b; with --trace: the draft GGUF the trace was recorded with]")
 RatioOpt = typer.Option(0.17, "--cache-ratio", help="expert pool / all experts")
 QuantOpt = typer.Option("Q4_K", "--quant", help="weight format of the target (Q4_K, Q6_K, Q8_0, MXFP4, BF16)")
@@ -113,8 +114,14 @@ def _config(hardware, model, draft, ratio, visibility, quant="Q4_K", trace: Trac
         draft = profiles.register(profile)
     # a hybrid target keeps a recurrent-state snapshot per draft token of a verify pass (n_rs_seq = γ)
     snapshots = int(trace.n_drafted.max()) if trace is not None and len(trace.n_drafted) else 0
-    return SimConfig(hardware=hardware, model=model, draft=None if draft == "none" else draft,
-                     cache_ratio=ratio, visibility=visibility, quant=quant, draft_quant=draft_quant, snapshots=snapshots)
+    config = SimConfig(hardware=hardware, model=model, draft=None if draft == "none" else draft,
+                       cache_ratio=ratio, visibility=visibility, quant=quant, draft_quant=draft_quant, snapshots=snapshots)
+    if draft in profiles.SELF_DRAFTS:  # a target without an MTP block, a measured profile: one line
+        try:
+            config.costs()
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--draft") from None
+    return config
 
 
 def _trace(path: Optional[Path], steps: int, seed: int, gamma: int, acceptance: float, model: Optional[str],

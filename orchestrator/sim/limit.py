@@ -120,7 +120,7 @@ def limit(trace: Trace, capacity: int, costs: CostModel, n_steps: int | None = N
         routing = trace.step(s)
         n_tokens, position = routing.n_drafted + 1, routing.position or 0
         counts = routing.frequency(trace.n_expert)
-        step_time[s] = (routing.n_drafted * costs.draft_token_s + costs.fixed_pass_time(n_tokens, position)
+        step_time[s] = (costs.draft_time(routing.n_drafted) + costs.fixed_pass_time(n_tokens, position)
                         + step_bound(counts, capacity, costs, n_tokens, position))
         if host_slots is not None:
             unavoidable = max(int((counts > 0).sum()) - host_slots - capacity, 0)

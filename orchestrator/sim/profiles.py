@@ -11,6 +11,7 @@ unit times the simulator charges. All of it is roofline arithmetic on the profil
                                a snapshot written and copied into the cache (3 state bytes)
     output head                W_head / B_gpu
     one draft token            W_draft / B_gpu + n_block_draft · layer overhead
+                               (spac's pool draft and MTP head: the target's own weights, `_self_draft`)
 
 with every B and P the profile's peak times its efficiency. A hybrid target (Qwen3.5/3.6-MoE:
 gated-delta-net blocks beside full-attention ones) has KV only in its full-attention blocks
@@ -33,8 +34,9 @@ rates, each per byte of the weights it reads so that it carries over to another 
     the disk (optional)               read rate, latency, queue depth (sim/disk.py), for a host
                                       tier smaller than the experts (sim/host_tier.py)
 
-Why ~650 lines: the cost model's every term reads one field of a hardware or model profile, so
-the profiles, their TOML loading, the cost model and the measured profile (`read_measured`,
+Why ~770 lines: the cost model's every term reads one field of a hardware or model profile, so
+the profiles, their TOML loading, the cost model (with the drafts made of the target itself,
+`_self_draft`) and the measured profile (`read_measured`,
 `write_measured`: what `spac sim profile measure` writes) and a GGUF's model profile
 (`from_gguf`) are kept in one module; the measuring itself is cli/profile_measure.py.
 """
@@ -153,6 +155,7 @@ class ModelProfile:
     tie_embeddings: bool = False
     recurrent_blocks: int = 0  # hybrid: blocks with a recurrent state instead of a KV cache
     state_bytes: int = 0       # hybrid: one sequence's recurrent state over those blocks (F32)
+    mtp_block_params: int = 0  # the MTP block's weights besides its routed experts (0: no MTP block)
 
     @property
     def n_layer(self) -> int:
@@ -198,6 +201,12 @@ def _load(name: str) -> dict:
     with open(PROFILE_DIR / name, "rb") as f:
         return tomllib.load(f)
 
+
+# drafts spac makes of the target itself (`--draft pool|mtp`), named where a draft model profile would be
+SELF_DRAFTS = ("pool", "mtp")
+# the tokens of an MTP step's first decode: the accepted drafts and the target's own token (about 3
+# at γ 4 and a per-token acceptance of 0.75: 1 + 0.75 + 0.75² + 0.75³ + 0.75⁴ ≈ 3.05)
+MTP_CATCH_UP_TOKENS = 3
 
 DISKS = "disks"  # hardware.toml's table of disk presets, beside the hardware profiles
 DEFAULT_DISK = "nvme-pcie4"  # where neither --disk nor the hardware profile names one
@@ -265,6 +274,7 @@ class CostModel:
     fixed_pass_s: float       # per pass besides the MoE blocks: dense blocks and output head
     draft_token_s: float      # one draft token (0: no draft cost)
     sync_s: float             # per layer that has a host half
+    draft_step_s: float = 0.0 # once per step that drafts, besides its draft tokens (the MTP head's catch-up)
     vram_bytes: float = float("inf")
     static_bytes: float = 0.0  # device memory that is not the expert pool (weights, draft, KV)
     # measured profiles (defaults: the datasheet roofline above)
@@ -295,13 +305,14 @@ class CostModel:
         cls,
         hw: HardwareProfile,
         target: ModelProfile,
-        draft: ModelProfile | None = None,
+        draft: ModelProfile | str | None = None,
         quant: str = "Q4_K",
         draft_quant: str = "Q8_0",
         context: int = 4096,
         snapshots: int = 0,
     ) -> CostModel:
-        """snapshots: a hybrid target's n_rs_seq (recurrent states kept for rollback)."""
+        """draft: a model profile, or one of SELF_DRAFTS; snapshots: a hybrid target's n_rs_seq
+        (recurrent states kept for rollback)."""
         bpw = BITS_PER_WEIGHT[quant] / 8
         overhead = hw.layer_overhead_us * 1e-6
         state_pass, state_token = target.state_traffic()
@@ -309,8 +320,11 @@ class CostModel:
         dense_blocks = target.n_dense_block * ((target.dense_block_params or target.block_params) * bpw / hw.gpu_bw + overhead)
         head = target.head_params * bpw / hw.gpu_bw
         static = target.non_expert_bytes(quant) + context * target.kv_bytes_per_token + target.state_memory(snapshots)
-        draft_s = 0.0
-        if draft is not None:
+        draft_s = draft_step_s = 0.0
+        if isinstance(draft, str):  # a draft made of the target itself
+            draft_s, draft_step_s, draft_static = _self_draft(draft, hw, target, quant, context)
+            static += draft_static
+        elif draft is not None:
             draft_bytes = (draft.n_block * draft.block_params + draft.head_params) * BITS_PER_WEIGHT[draft_quant] / 8
             draft_s = draft_bytes / hw.gpu_bw + draft.n_block * overhead
             # a hybrid draft's context keeps two sequences' states (spac's scratch sequence for drafting)
@@ -335,7 +349,7 @@ class CostModel:
                      else target.expert_bytes(quant) / hw.expert_copy_s(target.expert_bytes(quant))),
             dense_layer_s=dense_layer, dense_layer_token_s=state_token / hw.gpu_bw,
             fixed_pass_s=dense_blocks + head + (n_dev - 1) * hw.sync_us * 1e-6 + fixed, fixed_pass_token_s=fixed_token,
-            draft_token_s=draft_s, sync_s=sync, sync_token_s=sync_token,
+            draft_token_s=draft_s, draft_step_s=draft_step_s, sync_s=sync, sync_token_s=sync_token,
             vram_bytes=hw.vram_GB * 1e9 * n_dev, static_bytes=static, disk=hw.disk(),
         )
 
@@ -353,6 +367,9 @@ class CostModel:
     ) -> CostModel:
         """Unit times of `target` (and `draft`) on a measured machine (module docstring); a hybrid's
         recurrent state moves at the rate of the non-expert weights' bytes."""
+        if isinstance(draft, str):
+            raise ValueError(f"draft {draft!r}: a measured profile times a draft file; spac's drafts made of "
+                             "the target are modelled on datasheet profiles only")
         w_e = target.expert_bytes(quant)
         host, device = hw.expert_rate("host", quant), hw.expert_rate("device", quant)
         # the roofline fields, kept consistent for readers of them: stream = the one-token time,
@@ -396,6 +413,10 @@ class CostModel:
             sync_serial_s=hw.crossing_s / 2 if hw.non_expert_on == "device" else 0.0,
             vram_bytes=hw.vram_GB * 1e9, static_bytes=static, disk=hw.disk,
         )
+
+    def draft_time(self, n_drafted: int) -> float:
+        """A step's drafting of n_drafted tokens."""
+        return n_drafted * self.draft_token_s + (self.draft_step_s if n_drafted else 0.0)
 
     @property
     def transfer_s(self) -> float:
@@ -449,6 +470,38 @@ def table_time(table, n):
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         t = np.where(n > xs[-1], ys[-1] + (n - xs[-1]) * slope, t)
     return np.where(n > 0, t, 0.0)
+
+
+def _self_draft(kind: str, hw: HardwareProfile, target: ModelProfile, quant: str,
+                context: int) -> tuple[float, float, float]:
+    """(seconds per draft token, seconds once per drafting step, device bytes) of a draft spac makes
+    of the target itself (design.md, "The pool draft" and "The MTP draft"):
+    - pool: the target's pass over one token with the device half alone (patch 0009): every block
+      and the head, top_k device experts per MoE layer, no crossing; a second context of the
+      target's shape in device memory (its KV cache, a hybrid's two recurrent states).
+    - mtp: the target's MTP block: its non-expert part on the device, its top_k experts on the host
+      (patch 0020 keeps them out of the pool) behind one crossing, and the output head; its weights
+      and one full-attention block's KV cache in device memory. A step's first decode also catches
+      up on the tokens accepted since the last one: MTP_CATCH_UP_TOKENS tokens' experts, not one."""
+    bpw = BITS_PER_WEIGHT[quant] / 8
+    overhead = hw.layer_overhead_us * 1e-6
+    flops = 2.0 * target.expert_params
+    if kind == "pool":
+        state_pass, state_token = target.state_traffic()
+        expert = max(target.expert_bytes(quant) / hw.gpu_bw, flops / (hw.gpu_tflops * 1e12))
+        blocks = target.non_expert_bytes(quant) + target.n_layer * (state_pass + state_token)
+        token_s = blocks / hw.gpu_bw + target.n_block * overhead + target.n_layer * target.top_k * expert
+        return token_s, 0.0, context * target.kv_bytes_per_token + 2 * target.state_bytes
+    if kind == "mtp":
+        if not target.mtp_block_params:
+            raise ValueError(f"{target.name} has no MTP block (mtp_block_params in models.toml)")
+        host_expert = max(target.expert_bytes(quant) / hw.cpu_bw, flops / (hw.cpu_gflops * 1e9))
+        block = target.mtp_block_params * bpw
+        token_s = ((block + target.head_params * bpw) / hw.gpu_bw + overhead + hw.sync_us * 1e-6
+                   + target.top_k * host_expert)
+        kv_block = target.kv_bytes_per_token / max(target.n_block - target.recurrent_blocks, 1)
+        return token_s, (MTP_CATCH_UP_TOKENS - 1) * target.top_k * host_expert, block + context * kv_block
+    raise ValueError(f"unknown draft {kind!r}: a model profile or one of {', '.join(SELF_DRAFTS)}")
 
 
 def _draft_token_bytes(draft: ModelProfile, quant: str) -> float:

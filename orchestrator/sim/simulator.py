@@ -73,7 +73,7 @@ from orchestrator.sim.trace import Trace
 class SimConfig:
     hardware: str = "rtx4090"
     model: str = "qwen3-30b-a3b"
-    draft: str | None = "qwen3-4b"   # dense draft model profile (None: free drafting)
+    draft: str | None = "qwen3-4b"   # draft model profile, or "pool" / "mtp" (profiles.SELF_DRAFTS); None: free drafting
     quant: str = "Q4_K"
     draft_quant: str = "Q8_0"
     cache_ratio: float = 0.17        # expert-pool slots / all experts
@@ -100,11 +100,11 @@ class SimConfig:
 
     def costs(self) -> CostModel:
         """hardware: a datasheet profile's key, or a measured profile's file (`spac sim profile measure`)."""
-        draft = None if self.draft is None else profiles.model(self.draft)
+        draft = self.draft if self.draft is None or self.draft in profiles.SELF_DRAFTS else profiles.model(self.draft)
         if profiles.is_measured(self.hardware):
             costs = CostModel.from_measured(profiles.read_measured(self.hardware), profiles.model(self.model), draft,
                                             self.quant, self.draft_quant, self.context,
-                                            draft_file=draft.source if draft is not None else None,
+                                            draft_file=draft.source if isinstance(draft, profiles.ModelProfile) else None,
                                             snapshots=self.snapshots)
         else:
             costs = CostModel.build(profiles.hardware(self.hardware), profiles.model(self.model), draft,
@@ -341,13 +341,13 @@ class Simulator:
                 now = end
             routing = trace.step(s)
             start = now
-            draft_s = routing.n_drafted * c.draft_token_s
+            draft_s = c.draft_time(routing.n_drafted)
             pool.frozen_from = start + draft_s
             lookahead = ranked and cfg.read_ahead == "ranked"  # the tier reads the draft's choices
             if (policy.uses_draft_routing or lookahead) and trace.has_draft_routing and routing.n_drafted:
                 drafted = trace.draft_step(s)
                 for j in range(routing.n_drafted):
-                    at = start + (j + 1) * c.draft_token_s
+                    at = start + c.draft_time(j + 1)
                     if lookahead:
                         chose = np.zeros((n_layer, n_expert), dtype=bool)
                         rows, cols = np.nonzero(drafted[j] >= 0)
@@ -386,7 +386,7 @@ class Simulator:
                 n_drafted=routing.n_drafted, copies_block_device=c.copy_blocks_device,
             )
             # the next pass starts once the next draft has drafted
-            pool.frozen_from = now + (trace.n_drafted[s + 1] * c.draft_token_s if s + 1 < n_steps else np.inf)
+            pool.frozen_from = now + (c.draft_time(int(trace.n_drafted[s + 1])) if s + 1 < n_steps else np.inf)
             plan = policy.plan(routing, pool.allocated.copy(), feedback)
             if ranked:  # as live: the tier ranks after the pass, before the plan's copies
                 tier.after_pass(routing.frequency(n_expert), now, self._utility(policy), self._oracle(s + 1))
