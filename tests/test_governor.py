@@ -287,10 +287,13 @@ def test_times_measured_while_the_machine_was_slower_do_not_keep_their_gamma_out
                 tokens, seconds = tokens + a + 1, seconds + v + 0.005 * g + 0.002
         return chosen, tokens / seconds
 
-    chosen, with_level = run(GovernorConfig(gamma_max=8))
+    chosen, with_level = run(GovernorConfig(gamma_max=8, stale_after=0))
     assert chosen[30:].count(8) >= 35
-    stuck, without = run(GovernorConfig(gamma_max=8, level_weight=0.0))
+    stuck, without = run(GovernorConfig(gamma_max=8, level_weight=0.0, stale_after=0))
     assert max(stuck[30:]) < 8 and with_level > 1.1 * without
+    # the old times going stale brings γ 8 back too, later (they are left out once 48 steps old)
+    later, _ = run(GovernorConfig(gamma_max=8, level_weight=0.0))
+    assert later[60:].count(8) >= 8
     gov = Governor(GovernorConfig(gamma_max=8))
     gov.observe(0, 0, 0.0, 1.0)  # cold: dropped
     for _ in range(3):  # the machine is slower: both sizes measured at 1.5x
@@ -304,6 +307,34 @@ def test_times_measured_while_the_machine_was_slower_do_not_keep_their_gamma_out
     assert 0.85 < gov.level < 0.92
     assert gov.verify_cost(9) == pytest.approx(gov.level * 1.5 * 0.22, rel=0.02)
 
+
+
+def test_times_measured_on_cold_caches_go_stale():
+    """A model file still being read from the disk: the first 8 steps verify 8x slower, so the
+    warm-up measures 5 and 9 tokens at 8x, and a few rejections then put a short γ in force whose
+    neighbours are never within the probe margin. Once the cold times are `stale_after` steps old
+    they leave the roofline (two fresh sizes remain: the one in force and the plain step's), and
+    γ 8 is back; kept, they hold it out for the whole run. The roofline never extrapolates below
+    the smallest size's cost per token, so γ = 0 does not look free either."""
+    def run(cfg: GovernorConfig) -> list[int]:
+        gov, chosen, rng = Governor(cfg), [], np.random.default_rng(0)
+        for i in range(160):
+            g = gov.next_gamma()
+            a = 0
+            while a < g and not 5 <= i < 9 and rng.random() < 0.985:  # steps 5-8 reject the first draft
+                a += 1
+            gov.observe(g, a, 0.0003 * g, (0.019 + 0.052 * g / 8) * (8 if i < 8 else 1), 0.0)
+            chosen.append(g)
+        return chosen
+
+    assert run(GovernorConfig(gamma_max=8))[100:].count(8) >= 40
+    assert run(GovernorConfig(gamma_max=8, stale_after=0))[100:].count(8) <= 10
+    gov = Governor(GovernorConfig(gamma_max=8, verify_shrink=0.0))
+    gov.observe(0, 0, 0.0, 1.0)  # cold: dropped
+    for _ in range(3):
+        gov.observe(3, 3, 0.001, 0.040)
+        gov.observe(4, 4, 0.001, 0.060)  # a steep local slope: 20 ms a token
+    assert gov.verify_cost(1) == pytest.approx(0.040 / 4)  # not 40 - 3 * 20 < 0
 
 def test_bad_observations_and_bounds_are_refused():
     with pytest.raises(ValueError):

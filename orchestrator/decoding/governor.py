@@ -28,6 +28,11 @@ Amortization Roofline objective of the paper:
   that size's median, so a size measured long ago, on a slower machine, scales with the ones in use
   instead of keeping its γ out. From one size in use a faster machine and a cheaper size look
   alike, and the level takes only a share of such a change (the size's median the rest).
+  A size not measured for `stale_after` steps is stale: its times, taken on other text or on cold
+  caches (a model file still coming from the disk makes the first steps several times slower), are
+  left out of the roofline while two fresh sizes remain, and dropped when it is measured again.
+  Below the smallest size measured and above the largest, T_verify(n)/n follows theirs at most
+  (more tokens never cost more per token), so a steep local slope never makes a short pass free.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
 The first steps probe the batch sizes the model needs: γ_min twice (the very first step of a
@@ -38,7 +43,8 @@ measured below them (a small compute-bound target with a draft as slow as itself
 them: their cost is a tenth of a 256-token answer there). Afterwards every `probe_every`-th step
 takes the neighbour of the best γ whose verify cost was measured longest ago (if the model puts
 it close to the best), and every `probe_far`-th probe the γ measured longest ago of all that are
-not far worse, so the model follows the machine's load and the text's acceptance. While γ = 0 is
+not far worse, so the model follows the machine's load and the text's acceptance. A γ whose time
+is stale or only inferred is measured once before it is put in force. While γ = 0 is
 in force only every `plain_probe_every`-th probe is taken, and the plain steps in between do not
 ask the model at all (`next_gamma`); each probe that leaves γ = 0 in force doubles that interval
 (up to `plain_backoff_max` times: 1,024 steps), since a probe from γ = 0 costs the most (the draft
@@ -47,7 +53,7 @@ model the probes every 64 steps cost 3% of a plain decode loop's speed.
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
 
-Why ~415 lines: the model (acceptance per position, the verify roofline with its shrink and level),
+Why ~445 lines: the model (acceptance per position, the verify roofline with its shrink and level),
 the decision with its probes, and the plain runs decided ahead are one object's state, read and
 written by each other at every step; split, each part would reach into the others' counters.
 """
@@ -80,6 +86,7 @@ class GovernorConfig:
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
     plain_probe_every: int = 4    # while γ = 0 is in force, only every n-th probe step is taken
     plain_backoff_max: int = 4    # ... and each probe that leaves γ = 0 in force doubles that, up to 2^4 times
+    stale_after: int = 48         # a size not measured for this many steps is left out of the roofline (0: never)
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -179,14 +186,27 @@ class Governor:
 
     def _measured(self, batch: int, verify_s: float) -> None:
         """One verify time of `batch` tokens: it moves the level by how far it is from what that
-        size measured before (a size measured for the first time has nothing to compare with), and
-        is kept divided by the level."""
+        size measured before (a size measured for the first time, or stale, has nothing to compare
+        with), and is kept divided by the level."""
         times = self._verify_times[batch]
+        if self._stale(batch):
+            times.clear()
         if times and self.cfg.level_weight:
             seen = math.log(max(verify_s, 1e-9)) - math.log(max(self.t_verify[batch], 1e-9))
             self._log_level += self.cfg.level_weight * (seen - self._log_level)
         times.append(verify_s / self.level)
         self.t_verify[batch] = _median(times)
+
+    def _stale(self, batch: int) -> bool:
+        """Whether the times of `batch` tokens are older than `stale_after` steps: taken on other
+        text, or on cold caches (a model file still being read from the disk makes the first
+        steps several times slower), they no longer say what that size costs."""
+        c = self.cfg
+        return c.stale_after > 0 and 0 <= self.measured_at[batch] < self.steps - c.stale_after
+
+    def _fresh(self, gamma: int) -> bool:
+        """Whether γ's verify pass has a time measured and not stale."""
+        return self.measured_at[gamma + 1] >= 0 and not self._stale(gamma + 1)
 
     @property
     def level(self) -> float:
@@ -275,10 +295,14 @@ class Governor:
     def _roofline(self) -> tuple[list[int], list[float], float] | None:
         """(measured batch sizes, their verify times shrunk towards the least-squares line through
         them, weighted by how many measurements each median has, the line's slope, never
-        negative), in seconds at the level now, or None before any measurement."""
+        negative), in seconds at the level now, or None before any measurement. Stale sizes are
+        left out where two fresh ones remain to draw the line through."""
         known = [b for b, t in enumerate(self.t_verify) if t == t]  # t == t: not NaN
         if not known:
             return None
+        fresh = [b for b in known if not self._stale(b)]
+        if len(fresh) >= 2:
+            known = fresh
         t = [self.t_verify[b] for b in known]
         slope = 0.0
         if len(known) > 1:
@@ -354,11 +378,17 @@ class Governor:
             g = self._probes[self.steps]
         else:
             probe = c.probe_every > 0 and self.steps % c.probe_every == 0
+            g = None
             if probe or self._judged or self.current is None:
-                self.current = self.best_gamma()
-                if self.current:
-                    self._plain_runs = 0
-            g = self._probe_near(self.current) if probe else self.current
+                best = self.best_gamma()
+                if self.current is None or best == self.current or self._fresh(best):
+                    self.current = best
+                    if self.current:
+                        self._plain_runs = 0
+                else:  # its time is stale or only inferred: measured once before it is put in force
+                    g = best
+            if g is None:
+                g = self._probe_near(self.current) if probe else self.current
             every = (c.probe_every * c.plain_probe_every) << min(self._plain_runs, c.plain_backoff_max)
             if g == self.current == 0 and every and self.steps + 1 >= len(self._probes):
                 self._quiet, self._plain = every - 1 - self.steps % every, []
@@ -407,10 +437,10 @@ def _interpolate(roofline: tuple[list[int], list[float], float], n: int) -> floa
     """T_verify(n): linear between the measured sizes; outside them, the fitted slope from the
     nearest one (never below 0)."""
     known, t, slope = roofline
-    if n <= known[0]:
-        return max(t[0] + slope * (n - known[0]), 0.0)
-    if n >= known[-1]:
-        return t[-1] + slope * (n - known[-1])
+    if n <= known[0]:  # no cheaper per token than the smallest size measured (T(n) / n never rises as n falls)
+        return max(t[0] + slope * (n - known[0]), t[0] * n / known[0])
+    if n >= known[-1]:  # nor dearer per token than the largest
+        return min(t[-1] + slope * (n - known[-1]), t[-1] * n / known[-1])
     j = bisect_left(known, n)
     if known[j] == n:
         return t[j]
