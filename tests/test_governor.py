@@ -10,11 +10,13 @@ from orchestrator.decoding.governor import Governor, GovernorConfig
 
 class Machine:
     """A simulated target + draft: verify(n) = base + per_token·max(0, n − knee) seconds
-    (the roofline: flat while memory-bound), draft per token, geometric acceptance α."""
+    (the roofline: flat while memory-bound), times (1 + jitter · a normal draw) per step, draft
+    per token, geometric acceptance α."""
 
-    def __init__(self, base: float, per_token: float, knee: int, draft: float, alpha: float, seed: int = 0):
+    def __init__(self, base: float, per_token: float, knee: int, draft: float, alpha: float, seed: int = 0,
+                 jitter: float = 0.0):
         self.base, self.per_token, self.knee, self.draft, self.alpha = base, per_token, knee, draft, alpha
-        self.rng = np.random.default_rng(seed)
+        self.rng, self.jitter = np.random.default_rng(seed), jitter
 
     def verify(self, n: int) -> float:
         return self.base + self.per_token * max(0, n - self.knee)
@@ -23,7 +25,8 @@ class Machine:
         a = 0
         while a < gamma and self.rng.random() < self.alpha:
             a += 1
-        return gamma, a, gamma * self.draft, self.verify(gamma + 1), 0.0
+        v = self.verify(gamma + 1) * (1 + self.jitter * self.rng.standard_normal() if self.jitter else 1)
+        return gamma, a, gamma * self.draft, v, 0.0
 
     def expected_rate(self, gamma: int) -> float:
         tokens = sum(self.alpha ** i for i in range(gamma + 1))
@@ -112,12 +115,14 @@ def test_warm_up_skips_probes_that_cannot_pay_with_every_draft_accepted():
 
 
 @pytest.mark.parametrize("machine", [dict(base=0.0003, per_token=0.00015, knee=1, draft=0.0003, alpha=0.97),
+                                     dict(base=0.0003, per_token=0.00015, knee=1, draft=0.0003, alpha=0.97, jitter=0.1),
                                      dict(base=0.001, per_token=0.0005, knee=1, draft=0.0002, alpha=0.8)],
-                         ids=["gamma-0", "gamma-1-with-probes-of-0"])
+                         ids=["gamma-0", "gamma-0-noisy", "gamma-1-with-probes-of-0"])
 def test_steps_decided_ahead_ask_no_model_and_change_nothing(machine):
     """While γ = 0 is in force, the steps up to the next probe or decision are answered without
     the model and their times are taken in later: the same choices and the same model as a
-    governor made to take in every step at once (reading its model does that)."""
+    governor made to take in every step at once (reading its model does that), with runs longer
+    than `stale_after` (the plain step's times are judged stale once, at the run's first step)."""
     m_lazy, m_eager = Machine(**machine, seed=3), Machine(**machine, seed=3)
     lazy, eager = Governor(GovernorConfig(gamma_max=8)), Governor(GovernorConfig(gamma_max=8))
     evaluations = []
@@ -311,11 +316,11 @@ def test_times_measured_while_the_machine_was_slower_do_not_keep_their_gamma_out
 
 def test_times_measured_on_cold_caches_go_stale():
     """A model file still being read from the disk: the first 8 steps verify 8x slower, so the
-    warm-up measures 5 and 9 tokens at 8x, and a few rejections then put a short γ in force whose
-    neighbours are never within the probe margin. Once the cold times are `stale_after` steps old
-    they leave the roofline (two fresh sizes remain: the one in force and the plain step's), and
-    γ 8 is back; kept, they hold it out for the whole run. The roofline never extrapolates below
-    the smallest size's cost per token, so γ = 0 does not look free either."""
+    warm-up measures 5 and 9 tokens at 8x, and a few rejections then put γ 2 and then plain steps
+    in force. Once the cold times are `stale_after` steps old they leave the roofline (the plain
+    step's fresh ones remain): at the next look γ 8 is measured again, and it is back by step
+    ~110. Kept, the cold times hold the plain steps for the whole run. The roofline never
+    extrapolates below the smallest size's cost per token, so γ = 0 does not look free either."""
     def run(cfg: GovernorConfig) -> list[int]:
         gov, chosen, rng = Governor(cfg), [], np.random.default_rng(0)
         for i in range(160):
@@ -335,6 +340,7 @@ def test_times_measured_on_cold_caches_go_stale():
         gov.observe(3, 3, 0.001, 0.040)
         gov.observe(4, 4, 0.001, 0.060)  # a steep local slope: 20 ms a token
     assert gov.verify_cost(1) == pytest.approx(0.040 / 4)  # not 40 - 3 * 20 < 0
+
 
 def test_bad_observations_and_bounds_are_refused():
     with pytest.raises(ValueError):

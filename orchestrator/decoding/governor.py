@@ -30,7 +30,8 @@ Amortization Roofline objective of the paper:
   alike, and the level takes only a share of such a change (the size's median the rest).
   A size not measured for `stale_after` steps is stale: its times, taken on other text or on cold
   caches (a model file still coming from the disk makes the first steps several times slower), are
-  left out of the roofline while two fresh sizes remain, and dropped when it is measured again.
+  left out of the roofline while a fresh size remains, and dropped when it is measured again (from
+  one fresh size the roofline is flat, so the others look no dearer and are measured before use).
   Below the smallest size measured and above the largest, T_verify(n)/n follows theirs at most
   (more tokens never cost more per token), so a steep local slope never makes a short pass free.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
@@ -165,6 +166,8 @@ class Governor:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
             self.t_step = _average(self.t_step, other_s, c.cost_weight)
             b = min(n_drafted + 1, c.gamma_max + 1)
+            if self._stale(b, self.steps):
+                self._verify_times[b].clear()
             self._measured(b, verify_s)
             self.measured_at[b] = self.steps
         self.steps += 1
@@ -177,6 +180,9 @@ class Governor:
         if not plain:
             return
         self._plain = []
+        first = self.steps - len(plain)  # the step the first of them was
+        if self._stale(1, first):
+            self._verify_times[1].clear()
         for verify_s, other_s in plain:
             self.t_step = _average(self.t_step, other_s, self.cfg.cost_weight)
             self._measured(1, verify_s)
@@ -189,20 +195,20 @@ class Governor:
         size measured before (a size measured for the first time, or stale, has nothing to compare
         with), and is kept divided by the level."""
         times = self._verify_times[batch]
-        if self._stale(batch):
-            times.clear()
         if times and self.cfg.level_weight:
             seen = math.log(max(verify_s, 1e-9)) - math.log(max(self.t_verify[batch], 1e-9))
             self._log_level += self.cfg.level_weight * (seen - self._log_level)
         times.append(verify_s / self.level)
         self.t_verify[batch] = _median(times)
 
-    def _stale(self, batch: int) -> bool:
-        """Whether the times of `batch` tokens are older than `stale_after` steps: taken on other
-        text, or on cold caches (a model file still being read from the disk makes the first
-        steps several times slower), they no longer say what that size costs."""
+    def _stale(self, batch: int, step: int | None = None) -> bool:
+        """Whether the times of `batch` tokens are older than `stale_after` steps at `step` (now):
+        taken on other text, or on cold caches (a model file still being read from the disk makes
+        the first steps several times slower), they no longer say what that size costs. A stale
+        size's times are dropped when it is measured again."""
         c = self.cfg
-        return c.stale_after > 0 and 0 <= self.measured_at[batch] < self.steps - c.stale_after
+        now = self.steps if step is None else step
+        return c.stale_after > 0 and 0 <= self.measured_at[batch] < now - c.stale_after
 
     def _fresh(self, gamma: int) -> bool:
         """Whether γ's verify pass has a time measured and not stale."""
@@ -296,13 +302,11 @@ class Governor:
         """(measured batch sizes, their verify times shrunk towards the least-squares line through
         them, weighted by how many measurements each median has, the line's slope, never
         negative), in seconds at the level now, or None before any measurement. Stale sizes are
-        left out where two fresh ones remain to draw the line through."""
+        left out while a fresh one remains."""
         known = [b for b, t in enumerate(self.t_verify) if t == t]  # t == t: not NaN
         if not known:
             return None
-        fresh = [b for b in known if not self._stale(b)]
-        if len(fresh) >= 2:
-            known = fresh
+        known = [b for b in known if not self._stale(b)] or known
         t = [self.t_verify[b] for b in known]
         slope = 0.0
         if len(known) > 1:
