@@ -32,8 +32,8 @@ Amortization Roofline objective of the paper:
   caches (a model file still coming from the disk makes the first steps several times slower), are
   left out of the roofline while a fresh size remains, and dropped when it is measured again (from
   one fresh size the roofline is flat, so the others look no dearer and are measured before use).
-  Below the smallest size measured and above the largest, T_verify(n)/n follows theirs at most
-  (more tokens never cost more per token), so a steep local slope never makes a short pass free.
+  Below the smallest size measured a pass costs no less per token than it, above the largest no
+  more (more tokens never cost more per token), so a steep local slope never makes a short pass free.
 - t_step: the rest of a step (acceptance, KV trims, the expert policy), measured.
 
 The first steps probe the batch sizes the model needs: γ_min twice (the very first step of a
@@ -166,8 +166,7 @@ class Governor:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
             self.t_step = _average(self.t_step, other_s, c.cost_weight)
             b = min(n_drafted + 1, c.gamma_max + 1)
-            if self._stale(b, self.steps):
-                self._verify_times[b].clear()
+            self._forget_if_stale(b, self.steps)
             self._measured(b, verify_s)
             self.measured_at[b] = self.steps
         self.steps += 1
@@ -180,9 +179,7 @@ class Governor:
         if not plain:
             return
         self._plain = []
-        first = self.steps - len(plain)  # the step the first of them was
-        if self._stale(1, first):
-            self._verify_times[1].clear()
+        self._forget_if_stale(1, self.steps - len(plain))  # judged at the first of them, as one by one
         for verify_s, other_s in plain:
             self.t_step = _average(self.t_step, other_s, self.cfg.cost_weight)
             self._measured(1, verify_s)
@@ -205,10 +202,15 @@ class Governor:
         """Whether the times of `batch` tokens are older than `stale_after` steps at `step` (now):
         taken on other text, or on cold caches (a model file still being read from the disk makes
         the first steps several times slower), they no longer say what that size costs. A stale
-        size's times are dropped when it is measured again."""
+        size's times are dropped when it is measured again (`_forget_if_stale`)."""
         c = self.cfg
         now = self.steps if step is None else step
         return c.stale_after > 0 and 0 <= self.measured_at[batch] < now - c.stale_after
+
+    def _forget_if_stale(self, batch: int, step: int) -> None:
+        """Before a measurement of `batch` tokens at `step`: a stale size starts again."""
+        if self._stale(batch, step):
+            self._verify_times[batch].clear()
 
     def _fresh(self, gamma: int) -> bool:
         """Whether γ's verify pass has a time measured and not stale."""
@@ -439,11 +441,11 @@ def _median(values) -> float:
 
 def _interpolate(roofline: tuple[list[int], list[float], float], n: int) -> float:
     """T_verify(n): linear between the measured sizes; outside them, the fitted slope from the
-    nearest one (never below 0)."""
+    nearest one, no cheaper per token than it below it and no dearer above it."""
     known, t, slope = roofline
-    if n <= known[0]:  # no cheaper per token than the smallest size measured (T(n) / n never rises as n falls)
+    if n <= known[0]:  # a shorter pass costs no less per token than the smallest size measured
         return max(t[0] + slope * (n - known[0]), t[0] * n / known[0])
-    if n >= known[-1]:  # nor dearer per token than the largest
+    if n >= known[-1]:  # and a longer one no more than the largest
         return min(t[-1] + slope * (n - known[-1]), t[-1] * n / known[-1])
     j = bisect_left(known, n)
     if known[j] == n:
