@@ -44,8 +44,12 @@ measured below them (a small compute-bound target with a draft as slow as itself
 them: their cost is a tenth of a 256-token answer there). Afterwards every `probe_every`-th step
 takes the neighbour of the best γ whose verify cost was measured longest ago (if the model puts
 it close to the best), and every `probe_far`-th probe the γ measured longest ago of all that are
-not far worse, so the model follows the machine's load and the text's acceptance. A γ whose time
-is stale or only inferred is measured once before it is put in force. While γ = 0 is
+not far worse, so the model follows the machine's load and the text's acceptance. A short γ never
+judges the later positions nor measures the longer passes again, so their values from other text
+keep it in force: after `climb_after` steps in a row with every draft accepted it tries γ_max (if
+that could pay), which measures both; each such try that is rejected doubles the wait (up to
+`climb_backoff_max` times). A γ whose time is stale or only inferred is measured once before it is
+put in force. While γ = 0 is
 in force only every `plain_probe_every`-th probe is taken, and the plain steps in between do not
 ask the model at all (`next_gamma`); each probe that leaves γ = 0 in force doubles that interval
 (up to `plain_backoff_max` times: 1,024 steps), since a probe from γ = 0 costs the most (the draft
@@ -54,7 +58,7 @@ model the probes every 64 steps cost 3% of a plain decode loop's speed.
 
 The governor only chooses how many tokens to draft: greedy output is the target's whatever γ is.
 
-Why ~445 lines: the model (acceptance per position, the verify roofline with its shrink and level),
+Why ~480 lines: the model (acceptance per position, the verify roofline with its shrink and level),
 the decision with its probes, and the plain runs decided ahead are one object's state, read and
 written by each other at every step; split, each part would reach into the others' counters.
 """
@@ -87,6 +91,8 @@ class GovernorConfig:
     probe_far_margin: float = 0.5  # ... of those within 50% of the best
     plain_probe_every: int = 4    # while γ = 0 is in force, only every n-th probe step is taken
     plain_backoff_max: int = 4    # ... and each probe that leaves γ = 0 in force doubles that, up to 2^4 times
+    climb_after: int = 4          # after this many steps in a row with every draft accepted, try γ_max (0: never) ...
+    climb_backoff_max: int = 5    # ... and each such try that is rejected doubles that, up to 2^5 times
     stale_after: int = 48         # a size not measured for this many steps is left out of the roofline (0: never)
 
     def __post_init__(self) -> None:
@@ -127,6 +133,9 @@ class Governor:
         self._judged = False          # the last step judged drafts (its acceptance moved the model)
         self._quiet = 0               # steps still to run at γ = 0 without asking the model
         self._plain_runs = 0          # plain runs in a row, each started by a probe that kept γ = 0
+        self._full_steps = 0          # steps in a row whose every draft was accepted
+        self._climbs_failed = 0       # climbs to γ_max in a row whose drafts were rejected
+        self._climbing = False        # the step in flight is a climb
         self._plain: list[tuple[float, float]] | None = None  # (verify, other) s of steps decided ahead
         # the first step pays for cold caches and first-touch page faults: its times are not
         # kept, and its γ is probed again next
@@ -161,6 +170,10 @@ class Governor:
             if a < g:  # draft a+1 was rejected; the ones after it were never judged
                 tried[a + 1] += 1
                 self._n_reject += 1
+            self._full_steps = self._full_steps + 1 if a == g else 0
+            if self._climbing:
+                self._climbs_failed = 0 if a == g else min(self._climbs_failed + 1, c.climb_backoff_max)
+        self._climbing = False
         if self.steps > 0:
             if n_drafted > 0:
                 self.t_draft = _average(self.t_draft, draft_s / n_drafted, c.cost_weight)
@@ -393,6 +406,8 @@ class Governor:
                         self._plain_runs = 0
                 else:  # its time is stale or only inferred: measured once before it is put in force
                     g = best
+            if g is None and self._should_climb():
+                g, self._full_steps, self._climbing = c.gamma_max, 0, True
             if g is None:
                 g = self._probe_near(self.current) if probe else self.current
             every = (c.probe_every * c.plain_probe_every) << min(self._plain_runs, c.plain_backoff_max)
@@ -401,6 +416,17 @@ class Governor:
                 self._plain_runs += 1
         self.last_gamma = g
         return g
+
+    def _should_climb(self) -> bool:
+        """Whether to try γ_max now: the γ in force (short of γ_max, not 0) had every draft of its
+        last `climb_after` steps accepted (doubled for each climb in a row that was rejected), and
+        γ_max could beat it. A short γ never judges the later positions, so their acceptance and
+        the longer passes' times stay as they were when it came into force, on other text; every
+        draft accepted is a sign the text changed, and one step at γ_max measures both."""
+        c, g = self.cfg, self.current
+        if not c.climb_after or not g or g >= c.gamma_max:
+            return False
+        return self._full_steps >= c.climb_after << self._climbs_failed and self._could_pay(c.gamma_max)
 
     def _could_pay(self, gamma: int) -> bool:
         """Whether γ could beat the best measured γ even with every draft accepted and a verify
