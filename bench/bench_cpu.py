@@ -30,8 +30,12 @@ where it beats the default by 3%), 7 times, each between two read-rate measureme
 process, and printed as a share of the higher (the median is the issue's "GEMV ÷ bandwidth").
 
 Every row runs in its own process, one at a time (llama.cpp's threads spin), rows alternating
-per repeat so that the machine's load hits each alike; the CPU's flags and the CPU time other
-processes used during the run are printed. --json writes {"cpu", "decode_rates", "rows"}.
+per repeat, each repeat starting one system later, so that the machine's load hits each alike; the
+CPU's flags and the CPU time other processes used during the run are printed. The memory read rate
+is measured again before every run and its median per system printed beside the file's row: on a
+virtual machine it can move by half between two runs (2 threads on a Zen 5 guest: about 53 or 79
+GB/s, at times from one second to the next), and a decode with it.
+--json writes {"cpu", "decode_rates", "rows"}.
 
     .venv/bin/python bench/bench_cpu.py                        # 2 shapes x 4 types, 4 layers
     .venv/bin/python bench/bench_cpu.py --files a.gguf b.gguf -t 2 --json rows.json
@@ -327,20 +331,28 @@ def main() -> None:
     for f in files:
         runs: dict[str, list[dict]] = {name: [] for name in [*peers, "spac"]}
         failed: dict[str, str] = {}  # a peer that cannot run this file (ik_llama.cpp has no OLMoE)
-        for _ in range(args.repeats):
-            for name, (exe, settings) in peers.items():
+        order = list(runs)
+        for rep in range(args.repeats):
+            for name in order[rep % len(order):] + order[:rep % len(order)]:
                 if name in failed:
                     continue
+                read = memory_read_rate(args.threads)
                 try:
-                    runs[name].append(llama_bench(exe, f, settings, args.threads, args.n_prompt, args.n_gen))
+                    if name == "spac":
+                        run = spac_bench(f, args.spac_repack, args.threads, args.n_prompt, args.n_gen)
+                    else:
+                        exe, settings = peers[name]
+                        run = llama_bench(exe, f, settings, args.threads, args.n_prompt, args.n_gen)
                 except RuntimeError as e:
                     if not name.startswith("ik"):
                         raise
                     failed[name] = str(e).strip().splitlines()[-1]
                     print(f"  {f.name}: {name}: {failed[name]}", flush=True)
-            runs["spac"].append(spac_bench(f, args.spac_repack, args.threads, args.n_prompt, args.n_gen))
+                    continue
+                runs[name].append({**run, "read_gb_s": read})
         runs = {k: v for k, v in runs.items() if k not in failed}
-        med = {k: {m: statistics.median(r[m] for r in v) for m in ("pp", "tg", "rss")} for k, v in runs.items()}
+        med = {k: {m: statistics.median(r[m] for r in v) for m in ("pp", "tg", "rss", "read_gb_s")}
+               for k, v in runs.items()}
         r0, r1, sp = med["llama.cpp --repack 0"], med["llama.cpp --repack 1"], med["spac"]
         best = {m: max(r0[m], r1[m]) for m in ("pp", "tg")}
         ik = [med[k] for k in med if k.startswith("ik")]
@@ -354,6 +366,8 @@ def main() -> None:
         results.append(row)
         print(f"  {f.name}: " + ", ".join(f"{k} {v['tg']:.1f}/{v['pp']:.1f}" for k, v in med.items())
               + f" (tg/pp tok/s); spac layout: {row['spac_layout']}", flush=True)
+        print(f"  {f.name}: memory read rate before each run, median per system: "
+              + ", ".join(f"{k} {v['read_gb_s']:.1f}" for k, v in med.items()) + " GB/s", flush=True)
     wall = time.monotonic() - t0
     other = machine_cpu_seconds() - machine0 - (own_cpu_seconds() - own0)
     steal = steal_seconds() - steal0
