@@ -43,6 +43,13 @@ gate's reads reach in the same limit, measured in the run):
 
 predicted decode time = the cached run's decode time + the stalls + the reads ahead's excess. The
 prompt's pass is replayed (it fills the tier) but not timed, as the live decode time leaves it out.
+
+Bound: per tier row without a device pool, the decode tok/s no host tier in the limit can beat on
+the row's own passes (`bound`): the fewest reads any tier could make for them (Belady's MIN at
+pass granularity, the tier as large as the limit less the other weights), at the best rate the
+disk showed in the run and no CPU cost, beside the decode time in memory; reading on demand (the
+reads before their pass's compute) and with every read hidden behind compute. What is between the
+row and its bound is the tier's ranking, the CPU its reads cost and the disk's rate.
 (The replay lives here, not in orchestrator/sim/: the simulator does not import the runtime.)
 """
 
@@ -73,6 +80,7 @@ import numpy as np  # noqa: E402
 from orchestrator.runtime.host_tier import HostTier  # noqa: E402
 from orchestrator.runtime.native import DISK_READ  # noqa: E402
 from orchestrator.sim.disk import Disk, measure_disk  # noqa: E402
+from orchestrator.sim.locality import fewest_reads  # noqa: E402
 
 DEFAULT_FILE = ROOT / "runs" / "bench_disk" / "qwen3-30b-a3b-6l-Q4_0.gguf"
 WILLNEED_CHUNK = 128 << 10  # llama-experts-on-disk.cpp's madvise(WILLNEED) calls
@@ -324,7 +332,37 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
            "same_tokens_every_run": all(r["out"]["tokens"] == d["tokens"] for r in runs)}
     if disk is not None and tier.get("experts_on_disk"):
         row |= predict(path, args, runs, disk, "--no-disk-read-ahead" not in flags, advise_s_per_byte)
+        row |= {"trace": str(median["trace"]), "n_decoded": d["n_tokens"] - 1,
+                "expert_bytes": tier["expert_bytes"], "one_expert_bytes": tier["one_expert_bytes"]}
     return row
+
+
+def bound(row: dict, limit: int, file_bytes: int, best_rate: float) -> dict:
+    """What no host tier in this limit can beat on the row's own passes: the fewest experts any tier
+    could read for them (orchestrator/sim/locality.py's fewest_reads: Belady's MIN, reads ahead
+    included), the tier as large as the limit less the non-expert weights (more than a live one
+    gets: the KV cache, compute buffers and the interpreter are left out), read at the best rate the
+    disk showed in this run and at no CPU cost, beside the row's decode time in memory: `serial`
+    when each read waits for its pass (what a read on demand does), `overlapped` when every read
+    hides behind compute (a tier that knew every pass's experts a layer early). Rows with a device
+    pool get none (its experts need no read)."""
+    trace = pickle.loads(Path(row["trace"]).read_bytes())
+    if any(kind == "pass" and on_device is not None for kind, _, on_device in trace):
+        return {}
+    passes = []
+    for kind, ids, _ in trace:
+        if kind == "pass":
+            used = np.zeros((ids.shape[0], int(row["expert_bytes"] // row["one_expert_bytes"]) // ids.shape[0]), bool)
+            for m in range(ids.shape[0]):
+                used[m, ids[m][ids[m] >= 0]] = True
+            passes.append(used)
+    capacity = int((limit - (file_bytes - row["expert_bytes"])) // row["one_expert_bytes"])
+    reads = int(fewest_reads(passes, capacity)[1:].sum())  # the decode's passes: the prompt's is not timed
+    t_memory = row["n_decoded"] / row["memory_decode_tok_s"]
+    t_read = reads * row["one_expert_bytes"] / best_rate
+    return {"bound_capacity": capacity, "bound_decode_reads": reads,
+            "bound_decode_tok_s": {"serial": row["n_decoded"] / (t_memory + t_read),
+                                   "overlapped": row["n_decoded"] / max(t_memory, t_read)}}
 
 
 READS_PER_EXPERT = 3  # an expert's gate, up and down matrices: three ranges of the file
@@ -528,6 +566,10 @@ def main() -> None:
                      args.repeats, advise),
             spac_row("spac-tier", path, limit, spac_tier, args.n_gen, disk, args.repeats, advise),
             spac_row("spac-tier-sd", path, limit, draft, args.n_gen, disk, args.repeats, advise)]
+    best_rate = max(*rates.values(), gate["read_bytes_per_s"], direct["read_bytes_per_s"])
+    for r in rows:
+        if r.get("trace"):
+            r |= bound(r, limit, size, best_rate)
     others = user_cpu_seconds()
     mine = {os.getpid()}
     others_s = sum(v - others0.get(pid, 0.0) for pid, v in others.items() if pid not in mine)
@@ -549,6 +591,14 @@ def main() -> None:
                      f"{spread('memory_decode_tok_s_runs')}" if "predicted_decode_tok_s_runs" in r else "")
                   + (f"; acceptance {r['acceptance_rate']:.2f}, {r['tokens_per_step']:.2f} tokens a step"
                      if r.get("acceptance_rate") is not None else ""))
+    for r in rows:
+        if "bound_decode_tok_s" in r:
+            b = r["bound_decode_tok_s"]
+            print(f"  {r['system']}: no tier of {r['bound_capacity']} experts reads fewer than {r['bound_decode_reads']} for "
+                  f"these {r['n_decoded']} tokens (the replay's tier: {r['predicted_decode_stall_bytes'] / r['one_expert_bytes']:.0f} "
+                  f"stalled); at {best_rate / 1e6:.0f} MB/s and no CPU beside {r['memory_decode_tok_s']:.2f} tok/s in memory: "
+                  f"at most {b['serial']:.2f} tok/s reading on demand ({b['serial'] / base:.2f}x llama-mmap), "
+                  f"{b['overlapped']:.2f} with every read behind compute ({b['overlapped'] / base:.2f}x)")
     texts = {r["system"]: r["tokens"] for r in rows if r.get("tokens")}
     same = (len({tuple(t) for t in texts.values()}) == 1 and all(r.get("same_tokens_every_run", True)
                                                                   and r.get("same_tokens_in_memory", True) for r in rows))

@@ -132,6 +132,76 @@ def test_without_read_ahead_nothing_is_read():
     assert tier.resident.sum() <= 2
 
 
+# -- the fewest reads: a bound on any tier of the same size ---------------------------------
+
+
+def fewest_by_search(passes: list[np.ndarray], capacity: int) -> int:
+    """The fewest reads over every way to hold at most `capacity` experts between passes, reads
+    ahead included (a read ahead is a read): dynamic programming over the held sets."""
+    from itertools import combinations
+
+    n = passes[0].size
+    sets = [frozenset(c) for r in range(capacity + 1) for c in combinations(range(n), r)]
+    cost = {frozenset(): 0}
+    for used in passes:
+        used = frozenset(np.flatnonzero(used.ravel()))
+        after = {}
+        for held, c in cost.items():
+            here = c + len(used - held)  # the pass reads what it uses and the tier lacks
+            for keep in sets:  # then the tier holds any set: what it lacks of it is read ahead
+                total = here + len(keep - held - used)
+                if total < after.get(keep, 1 << 30):
+                    after[keep] = total
+        cost = after
+    return min(cost.values())
+
+
+def random_passes(rng, n_pass, n_layer, n_expert, k, n_tokens=1) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(ids [n_layer, n_tokens, k] per pass, the experts each uses as bool [n_layer, n_expert]),
+    skewed: a few experts of each layer are chosen far more often."""
+    weights = rng.random(n_expert) ** 3
+    weights /= weights.sum()
+    ids, used = [], []
+    for _ in range(n_pass):
+        x = np.stack([np.stack([rng.choice(n_expert, k, replace=False, p=weights) for _ in range(n_tokens)])
+                      for _ in range(n_layer)]).astype(np.int32)
+        u = np.zeros((n_layer, n_expert), bool)
+        for m in range(n_layer):
+            u[m, x[m].ravel()] = True
+        ids.append(x)
+        used.append(u)
+    return ids, used
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fewest_reads_is_the_optimum_of_every_way_to_hold_experts(seed):
+    from orchestrator.sim.locality import fewest_reads
+
+    rng = np.random.default_rng(seed)
+    _, used = random_passes(rng, n_pass=7, n_layer=2, n_expert=4, k=2, n_tokens=int(rng.integers(1, 3)))
+    for capacity in (1, 2, 3, 5):
+        assert fewest_reads(used, capacity).sum() == fewest_by_search(used, capacity), capacity
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_the_live_tier_never_reads_fewer_than_the_bound(read_ahead):
+    from orchestrator.sim.locality import fewest_reads
+
+    rng = np.random.default_rng(3)
+    for capacity in (4, 10, 20):
+        ids, used = random_passes(rng, n_pass=60, n_layer=4, n_expert=16, k=2, n_tokens=int(rng.integers(1, 4)))
+        disk = FakeDisk()
+        tier = HostTier(disk, n_moe_layers=4, n_expert=16, capacity=capacity, read_ahead=read_ahead)
+        stalls = 0
+        for x, u in zip(ids, used):
+            stalls += int((u & ~tier.resident).sum())
+            tier.after_pass(x)
+            if read_ahead:  # the draft's guess of the next pass: a read ahead, counted as a read
+                tier.lookahead(x[:, :1, :])
+        ahead = sum(len(pairs) for advice, pairs in disk.calls if advice == DISK_READ)
+        assert stalls + ahead >= fewest_reads(used, capacity).sum()
+
+
 # -- a run in a memory limit --------------------------------------------------------------
 
 # Qwen3-30B-A3B's experts (128 of 2048 x 768, top 8) in 4 layers, a small vocabulary: 1.5 GB, of

@@ -1,4 +1,5 @@
-"""Token-level locality of a routing sequence: repeat rates and per-layer LRU / Belady curves.
+"""Token-level locality of a routing sequence: repeat rates and per-layer LRU / Belady curves, and
+the fewest reads a host tier of a given size can make (`fewest_reads`).
 
 These are the statistics the synthetic generator is calibrated against (published numbers for
 Qwen3-30B-A3B decoding), measured on the token sequence of autoregressive decoding: one
@@ -97,6 +98,33 @@ def belady_hit_curve(selected: np.ndarray, capacities) -> np.ndarray:
         size += ~hit
         due[rows, e] = next_use[:, i]
     return (hits / n).reshape(len(capacities), n_layer)
+
+
+def fewest_reads(passes: list[np.ndarray], capacity: int) -> np.ndarray:
+    """int [len(passes)]: the experts each pass must read when a host tier of `capacity` experts
+    (every layer's together) holds, between passes, the ones whose next use is soonest (Belady's
+    MIN at pass granularity). passes: bool [n_layer, n_expert] per pass, the experts it uses, all of
+    which are in memory during the pass. No tier of that size reads fewer in total, whatever it reads
+    ahead: a read ahead is a read too, and swapping a kept expert for one used sooner never costs a
+    read (MIN's exchange argument). The first pass reads everything it uses."""
+    never = len(passes)
+    next_use = []
+    upcoming = np.full(passes[0].shape, never, dtype=np.int64)
+    for i in range(len(passes) - 1, -1, -1):
+        next_use.append(upcoming.copy())
+        upcoming[passes[i]] = i
+    next_use.reverse()  # next_use[i]: for every expert, the first pass after i that uses it
+    held = np.zeros(passes[0].shape, dtype=bool)
+    reads = np.zeros(len(passes), dtype=np.int64)
+    for i, used in enumerate(passes):
+        reads[i] = int((used & ~held).sum())
+        candidates = np.flatnonzero((held | used).ravel())
+        soon = next_use[i].ravel()[candidates]
+        keep = candidates[np.argsort(soon, kind="stable")[:capacity]]
+        keep = keep[next_use[i].ravel()[keep] < never]  # never used again: not worth a slot
+        held = np.zeros_like(held)
+        held.ravel()[keep] = True
+    return reads
 
 
 def _access_sequence(selected: np.ndarray) -> np.ndarray:
