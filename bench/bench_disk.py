@@ -77,7 +77,7 @@ from bench_live import steal_seconds, stock_program  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from orchestrator.runtime.host_tier import HostTier  # noqa: E402
+from orchestrator.runtime.host_tier import HostTier, chosen  # noqa: E402
 from orchestrator.runtime.native import DISK_READ  # noqa: E402
 from orchestrator.sim.disk import Disk, measure_disk  # noqa: E402
 from orchestrator.sim.locality import fewest_reads  # noqa: E402
@@ -353,8 +353,7 @@ def bound(row: dict, limit: int, file_bytes: int, best_rate: float) -> dict:
     for kind, ids, _ in trace:
         if kind == "pass":
             used = np.zeros((ids.shape[0], int(row["expert_bytes"] // row["one_expert_bytes"]) // ids.shape[0]), bool)
-            for m in range(ids.shape[0]):
-                used[m, ids[m][ids[m] >= 0]] = True
+            used[chosen(ids)] = True
             passes.append(used)
     capacity = int((limit - (file_bytes - row["expert_bytes"])) // row["one_expert_bytes"])
     reads = int(fewest_reads(passes, capacity)[1:].sum())  # the decode's passes: the prompt's is not timed

@@ -18,7 +18,7 @@ import pytest
 from orchestrator.gguf_files.gguf_export import ModelConfig, write_gguf
 from orchestrator.gguf_files.synthetic_models import synthetic_tensors
 from orchestrator.gguf_files.tokenizer import byte_level_bpe_tokenizer
-from orchestrator.runtime.host_tier import HostBudget, HostTier, memory_available, plan_tiers
+from orchestrator.runtime.host_tier import HostBudget, HostTier, chosen, memory_available, plan_tiers
 from orchestrator.runtime.native import DISK_DROP, DISK_READ
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,8 +166,7 @@ def random_passes(rng, n_pass, n_layer, n_expert, k, n_tokens=1) -> tuple[list[n
         x = np.stack([np.stack([rng.choice(n_expert, k, replace=False, p=weights) for _ in range(n_tokens)])
                       for _ in range(n_layer)]).astype(np.int32)
         u = np.zeros((n_layer, n_expert), bool)
-        for m in range(n_layer):
-            u[m, x[m].ravel()] = True
+        u[chosen(x)] = True
         ids.append(x)
         used.append(u)
     return ids, used

@@ -174,7 +174,7 @@ def plan_tiers(budget: HostBudget, non_expert: int, experts: int, one_expert: in
     return tiers
 
 
-def _chosen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def chosen(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(MoE layer, expert) of every choice in ids [n_moe_layers, n_tokens, k], -1s left out."""
     layer = np.broadcast_to(np.arange(ids.shape[0])[:, None, None], ids.shape)
     valid = ids >= 0
@@ -214,7 +214,7 @@ class HostTier:
             self.disk.set_on_device(on_device)
         self.n_passes += 1
         self.min_rate = READ_AHEAD_OVER_UNIFORM * ids.shape[-1] / self.score.shape[1]
-        layer, expert = _chosen(ids)
+        layer, expert = chosen(ids)
         np.add.at(self.score, (layer, expert), 1.0)  # once per token that chose it
         used = np.zeros_like(self.resident)
         used[layer, expert] = True
@@ -228,7 +228,7 @@ class HostTier:
         if self.trace is not None:
             self.trace.append(("lookahead", ids.copy(), None))
         wanted = np.zeros_like(self.resident)
-        wanted[_chosen(ids)] = True
+        wanted[chosen(ids)] = True
         self.score[wanted] += 1.0
         self._settle(keep=wanted)
 
