@@ -311,7 +311,7 @@ def spac_row(name: str, path: Path, limit: int, flags: list[str], n_gen: int, di
     args = ["-m", str(path), "-t", str(THREADS), "--temp", "0", "-n", str(n_gen), "-c", "512", "--json", *flags, PROMPT]
     runs = []
     for i in range(repeats):
-        trace_path = ROOT / "runs" / "bench_disk" / f"{name}-{i}.trace"
+        trace_path = ROOT / "runs" / "bench_disk" / f"{path.stem}-{name}-{i}.trace"  # one per file: the JSON keeps the path
         out, rep = in_limit([sys.executable, __file__, "--record", str(trace_path), "--", *args], limit, path)
         if rep["oom_kills"]:
             return {"system": name, "decode_tok_s": 0.0, "prompt_tok_s": 0.0, "bytes_read": rep["bytes_read"],
