@@ -192,11 +192,11 @@ def test_the_live_tier_never_reads_fewer_than_the_bound(read_ahead):
         disk = FakeDisk()
         tier = HostTier(disk, n_moe_layers=4, n_expert=16, capacity=capacity, read_ahead=read_ahead)
         stalls = 0
-        for x, u in zip(ids, used):
+        for i, (x, u) in enumerate(zip(ids, used)):
             stalls += int((u & ~tier.resident).sum())
             tier.after_pass(x)
-            if read_ahead:  # the draft's guess of the next pass: a read ahead, counted as a read
-                tier.lookahead(x[:, :1, :])
+            if read_ahead and i + 1 < len(ids):  # the draft's guess: the next pass's first token, read ahead
+                tier.lookahead(ids[i + 1][:, :1, :])
         ahead = sum(len(pairs) for advice, pairs in disk.calls if advice == DISK_READ)
         assert stalls + ahead >= fewest_reads(used, capacity).sum()
 
