@@ -240,7 +240,7 @@ def profile_miss_costs(row: Row, profile: Path, target: Path, draft: Path):
     from orchestrator.runtime.native import MissCosts
 
     c = sim_config(row, profile, target, draft).costs()
-    return MissCosts(upload_s=c.transfer_s, sync_s=c.sync_s, horizon_tokens=ReuseCredited().horizon,
+    return MissCosts(upload_s=c.fetch_s, sync_s=c.sync_s, horizon_tokens=ReuseCredited().horizon,
                      host_s=c.cpu_expert_s, device_s=c.gpu_expert_s)
 
 

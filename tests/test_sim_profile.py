@@ -46,6 +46,13 @@ def test_round_trip_and_cost_model(tmp_path):
     assert costs.dense_layer_time(9) > costs.dense_layer_time(1) and costs.sync_every_layer and costs.zero_slot
     # an unmeasured type takes the rate of the measured type nearest in bits per weight
     assert back.expert_rate("host", "Q4_0") == back.expert_rate("host", "Q4_K")
+    # copies inside a pass: a plan's rate where the staging path was not measured, else its own
+    assert costs.fetch_s == costs.transfer_s and costs.stage_batch_s == 0
+    staged = read_measured(write_measured(tmp_path / "s.toml", replace(MACHINE, stage_bytes_per_s=2e10, stage_batch_s=3e-4)))
+    assert (staged.stage_bytes_per_s, staged.stage_batch_s) == (2e10, 3e-4)
+    costs = CostModel.from_measured(staged, profiles.model("olmoe-1b-7b"), quant="Q4_K")
+    assert costs.fetch_s == pytest.approx(20e-6 + w / 2e10) and costs.transfer_s == pytest.approx(20e-6 + w / 5e9)
+    assert costs.stage_batch_s == 3e-4
 
 
 def test_the_mean_of_two_measurements():
@@ -127,11 +134,44 @@ def test_measure_writes_a_profile_that_loads(tmp_path):
     assert p.device == "CPU" and not p.overlap and p.draft_file == "spac-tiny-moe-q4_0.gguf"
     assert set(p.host) == set(p.device_rates) == {"F16"} and p.draft_s_per_token > 0
     assert {f"tokens_{n}_{k}_s" for n in (1, 2, 4, 9) for k in ("predicted", "measured")} <= set(p.check)
+    assert p.stage_bytes_per_s > 0 and p.stage_batch_s >= 0  # the cache ablation's uploads were timed
     # the file drives the simulator like any profile
     target, quant = profiles.from_gguf(MODELS_DIR / "spac-tiny-moe-f16.gguf")
     costs = CostModel.from_measured(p, target, quant=quant)
     # measured times: only their form is checked (a one-repeat timing need not grow with the batch)
     assert costs.gpu_expert_s(1) >= 0 and all(costs.cpu_expert_s(n) > 0 for n in (1, 9))
+
+
+def test_copies_inside_a_pass_take_the_staging_paths_costs(tmp_path):
+    """Uploads on miss go the staging path (its rate and a cost per layer that copies), a plan's
+    copies the copy worker's: llama.cpp's cache, which copies only inside passes, follows the
+    first; static placement, which copies only by plan, does not change with it."""
+    def run(machine, policy):
+        return tokens_per_s(machine, tmp_path, policy, gamma=0)
+
+    fast, batched = replace(MACHINE, stage_bytes_per_s=20e9), replace(MACHINE, stage_batch_s=1e-3)
+    assert run(fast, "llama-moe-cache") > run(MACHINE, "llama-moe-cache") > run(batched, "llama-moe-cache")
+    for other in (fast, batched):
+        assert run(other, "static") == pytest.approx(run(MACHINE, "static"), rel=1e-12)
+
+
+def test_measure_times_the_host_in_the_sessions_exact_mode(monkeypatch):
+    """The passes are timed with batches of up to EXACT_ROWS tokens row by row, as a session in
+    exact mode computes them (measured without it, a one-token split pass took 27 ms where a
+    session's took 32), and the process's own setting is back after."""
+    from orchestrator.cli import profile_measure
+    from orchestrator.decoding.speculative import EXACT_ROWS
+    from orchestrator.runtime import host_layout
+    from orchestrator.runtime.native import engine_built
+
+    if not engine_built():
+        pytest.skip("the patched llama.cpp is not built")
+    seen = []
+    monkeypatch.setattr(profile_measure, "_measure", lambda *a: seen.append(host_layout.batch_invariant_rows()))
+    before = host_layout.batch_invariant_rows()
+    profile_measure.measure("m.gguf", None)
+    profile_measure.measure("m.gguf", None, exact=False)
+    assert seen == [EXACT_ROWS, 0] and host_layout.batch_invariant_rows() == before
 
 
 def test_copies_on_the_device_thread_delay_passes(tmp_path):

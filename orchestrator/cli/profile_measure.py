@@ -28,6 +28,9 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
                           (a + n · b), per byte of KV cache of the context (a: reading it once
                           per pass, b: each token's dot products with it)
     copy                  the copy engine's busy time per byte while it filled the pool
+    stage                 copies inside a pass (the staging queue that uploads on miss and the
+                          miss gate's take): the passes' wait for them, per byte and per layer
+                          batch, from llama.cpp's cache ablation at 1 and 9 tokens
     draft                 single-token decodes of the draft on the host (its routing exported,
                           as the live loop does), per token and per byte it reads
     disk                  sequential read rate, 4 KiB read latency and the reads in flight the
@@ -36,7 +39,9 @@ layer's non-expert weights on the device (llama.cpp's -ngl 99) and the expert po
     every context holds at least 256 cells, the attention window of any run with fewer than 256
     tokens in its cache; the time still grows with the tokens in it (masked cells cost little)
 
-Each rate is per byte of the weights read, so a profile measured on one model predicts another
+The host computes as a session in exact mode does (the default: batches of up to 32 tokens row by
+row, `host_layout.batch_invariant`; `--no-exact`: ggml's batched kernels), so that the rates are
+those of the runs they predict. Each rate is per byte of the weights read, so a profile measured on one model predicts another
 of the same weight type. Every timed pass routes a new random batch (`repeats` per point), as a
 live run routes new tokens every step (a batch repeated would meet weights that a large
 last-level cache, 480 MiB on the test machine, has just seen); the whole measurement takes
@@ -44,7 +49,7 @@ seconds on the test models and about a minute on a 4.6 GB target over the RPC de
 
 This module drives the live engine (like `orchestrator.cli.record`), so it lives outside `sim/`.
 
-Why ~450 lines: each cost-model term has its measurement here (a synthetic model per preset,
+Why ~540 lines: each cost-model term has its measurement here (a synthetic model per preset,
 the rate fits, the checks of a fit), all of them driving the live engine; the profile file
 format is sim/profiles.py.
 """
@@ -64,6 +69,8 @@ from typing import Optional
 import numpy as np
 import typer
 
+from orchestrator.decoding.speculative import EXACT_ROWS
+from orchestrator.runtime.host_layout import batch_invariant
 from orchestrator.runtime.llm import Context, Model
 from orchestrator.runtime.native import ExpertEngine, Routing, copies_block_compute
 from orchestrator.runtime.placement import devices, first_gpu
@@ -223,14 +230,26 @@ def _fit(rows: list[tuple[int, np.ndarray, float]], tokens) -> tuple[tuple, np.n
 def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path: Path | None = None,
             tokens=TOKENS, repeats: int = 3, name: str = "", progress: Callable[[str], None] = lambda s: None,
             seed: int = 0, layers_on_device: bool | None = None, repack: str | None = None,
-            skip_absent: bool = False, raw: dict | None = None, mmap: bool = True) -> MeasuredProfile:
+            skip_absent: bool = False, raw: dict | None = None, mmap: bool = True, exact: bool = True) -> MeasuredProfile:
     """Time the passes described in the module docstring and return the profile.
 
     layers_on_device: the non-expert weights on the pool device (-ngl 99; default with a device
     other than the CPU) or on the host. repack: the host weights' layout (default: spac's).
     skip_absent: the live engine's setting on the device (the check pass and the zero slot).
     raw: filled with the timed passes, {"device"|"host": [(n, token counts of that side's experts, s)]}.
-    mmap=False: the model as --no-mmap loads it (with a GPU, the pool copies from pinned memory)."""
+    mmap=False: the model as --no-mmap loads it (with a GPU, the pool copies from pinned memory).
+    exact: the host computes as a session in exact mode (its default) does: passes of up to
+    EXACT_ROWS tokens row by row, process-wide while measuring. Without it the passes ran ggml's
+    batched kernels, and one token's split pass measured 27 ms where a session's took 32 (F16
+    target, CPU device, Zen 5)."""
+    with batch_invariant(EXACT_ROWS if exact else 0):
+        return _measure(model_path, device, n_threads, draft_path, tokens, repeats, name, progress, seed,
+                        layers_on_device, repack, skip_absent, raw, mmap)
+
+
+def _measure(model_path: Path, device: str | None, n_threads: int, draft_path: Path | None, tokens, repeats: int,
+             name: str, progress: Callable[[str], None], seed: int, layers_on_device: bool | None, repack: str | None,
+             skip_absent: bool, raw: dict | None, mmap: bool) -> MeasuredProfile:
     tokens = tuple(sorted(set(int(n) for n in tokens)))
     target, quant = profiles.from_gguf(model_path)
     w_e = target.expert_bytes(quant)
@@ -306,6 +325,10 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         finally:
             bench.close()
 
+        progress("copies inside a pass: uploads on miss at 1 and " + str(tokens[-1]) + " tokens")
+        stage_bw, stage_batch = _stage_rate(model, model_path, device, n_threads, prefix, slot, n_layer * n_expert,
+                                            tokens, rng, repeats, skip_absent=skip_absent and not on_cpu_pool)
+
         progress("fitting")
         att_a, att_b = _fit_attention(attention)
         if raw is not None:
@@ -343,6 +366,7 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
             crossing_s=crossing, non_expert_s_per_byte=max(float(ne_a), 0.0) / ne_bytes,
             non_expert_s_per_byte_token=max(float(ne_b), 0.0) / ne_bytes,
             kv_s_per_byte=att_a / target.kv_bytes_per_token, kv_s_per_byte_token=att_b / target.kv_bytes_per_token,
+            stage_bytes_per_s=stage_bw, stage_batch_s=stage_batch,
             draft_s_per_byte=draft_per_byte or float(host_t[0]) / w_e, draft_s_per_token=draft_s, draft_file=draft_file,
             zero_slot=not (on_cpu_pool or skip_absent), overlap=not on_cpu_pool,
             non_expert_on="device" if layers_on_device else "host",
@@ -355,6 +379,35 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
         return replace(prof, check={**_check(prof, target, quant, check.get("passes", [])), **extra})
     finally:
         model.close()
+
+
+def _stage_rate(model, path: Path, device: str | None, n_threads: int, prefix: np.ndarray, slot: int,
+                n_experts: int, tokens, rng: np.random.Generator, repeats: int, skip_absent: bool) -> tuple[float, float]:
+    """The staging path's rate and its cost per batch: what the passes wait for the experts copied
+    inside them (llama.cpp's cache ablation, a quarter of the experts' slots, uploads every miss;
+    the miss gate's uploads take the same queue, a layer's as one batch). Least squares of each
+    pass's wait = batches · batch_s + bytes / bytes_per_s over passes of 1 and the most tokens;
+    (0, 0) where nothing was copied."""
+    bench = _Bench(model, path, device, n_threads, prefix, slot * max(n_experts // 4, 1) + slot // 2,
+                   skip_absent=skip_absent, upload_on_miss_tokens=max(tokens))
+    rows = []
+    try:
+        for n in (tokens[0], tokens[-1]):
+            for i in range(max(repeats, 8) + 1):
+                s0 = bench.engine.stats()
+                bench.run(n, rng.integers(0, model.n_vocab, n))
+                s1 = bench.engine.stats()
+                if i:  # the first fills the cache's free slots
+                    rows.append([s1[k] - s0[k] for k in ("n_stage_batches", "bytes_staged", "stage_wait_us")])
+    finally:
+        bench.close()
+    a = np.array(rows, dtype=np.float64)
+    if not a[:, 1].sum():
+        return 0.0, 0.0
+    (batch_us, us_per_byte), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
+    if us_per_byte <= 0:  # no rate to fit beside the batches: the whole wait per byte
+        return float(a[:, 1].sum() / a[:, 2].sum() * 1e6), 0.0
+    return 1e6 / float(us_per_byte), max(float(batch_us), 0.0) * 1e-6
 
 
 def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:
@@ -409,7 +462,7 @@ def measure_draft(path: Path, n_threads: int, rng: np.random.Generator, n: int =
 def measure_to_file(out: Path, gguf: Path | None, device: str | None, n_threads: int, draft: Path | None,
                     rpc_threads: int = 1, tokens=TOKENS, repeats: int = 3, name: str = "",
                     progress: Callable[[str], None] = lambda s: None, disk_file: Path | None = None,
-                    disk: bool = True) -> MeasuredProfile:
+                    disk: bool = True, exact: bool = True) -> MeasuredProfile:
     """`spac sim profile measure`: measure and write `out`. device "rpc" starts an RPC server on
     127.0.0.1 with rpc_threads threads for the duration (the test machine's stand-in GPU). The
     disk: timed on `disk_file`, else on a file written beside `out` (the disk a model would be
@@ -421,7 +474,8 @@ def measure_to_file(out: Path, gguf: Path | None, device: str | None, n_threads:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
             progress("writing a synthetic Qwen3-30B-A3B-shaped model (4 layers, 16 experts, Q4_0)")
             gguf = synthetic_model(tmp)
-        prof = measure(gguf, device, n_threads, draft, tokens=tokens, repeats=repeats, name=name, progress=progress)
+        prof = measure(gguf, device, n_threads, draft, tokens=tokens, repeats=repeats, name=name, progress=progress,
+                       exact=exact)
         if disk:
             if disk_file is None:
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -453,6 +507,8 @@ def measure_cmd(
                                              "hundred MiB or more) [default: a 512 MiB file written beside the "
                                              "profile, deleted after]"),
     no_disk: bool = typer.Option(False, "--no-disk", help="do not time the disk"),
+    exact: bool = typer.Option(True, "--exact/--no-exact", help="time the host as spac generate's --exact (its "
+                               "default) or --no-exact computes"),
 ) -> None:
     """Measure this machine (host and pool device) and write a hardware profile for `spac sim
     run --hardware FILE`: expert matmul rates by batch size on both sides, the crossing, the
@@ -469,11 +525,14 @@ def measure_cmd(
     try:
         prof = measure_to_file(out, gguf, None if device.upper() == "CPU" else device, threads, draft,
                                rpc_threads=rpc_threads, repeats=repeats, name=name, progress=progress,
-                               disk_file=disk_file, disk=not no_disk)
+                               disk_file=disk_file, disk=not no_disk, exact=exact)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"spac: error: {e}", file=sys.stderr)
         raise typer.Exit(code=2) from None
     print(f"wrote {out} in {time.monotonic() - t0:.0f} s: {prof.name}")
+    print(f"  copies: a plan's {prof.copy_bytes_per_s / 1e9:.2f} GB/s; inside a pass "
+          + (f"{prof.stage_bytes_per_s / 1e9:.2f} GB/s and {1e6 * prof.stage_batch_s:.0f} µs per layer"
+             if prof.stage_bytes_per_s else "none timed"))
     if prof.disk is not None:
         print(f"  disk: {prof.disk.read_bytes_per_s / 1e9:.2f} GB/s, {1e6 * prof.disk.latency_s:.0f} µs per 4 KiB "
               f"read, {prof.disk.queue_depth} reads in flight for the rate")

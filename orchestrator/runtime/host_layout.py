@@ -204,6 +204,17 @@ def batch_invariant_rows() -> int:
     return _lib()["get_batch_invariant_rows"]()
 
 
+@contextmanager
+def batch_invariant(n_rows: int) -> Iterator[None]:
+    """set_batch_invariant_rows(n_rows) for the block, the process's own setting back after it."""
+    before = batch_invariant_rows()
+    set_batch_invariant_rows(n_rows)
+    try:
+        yield
+    finally:
+        set_batch_invariant_rows(before)
+
+
 def hidden_features() -> set[str]:
     """The CPU features hidden from spac's choices by SPAC_HIDE_CPU_FEATURES (comma-separated):
     `amx` takes AMX's buffer type out of every layout spac chooses and its flags out of

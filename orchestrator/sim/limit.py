@@ -9,7 +9,8 @@ where, in layer l, every needed expert e (token count n_e) is served one of thre
     resident   allocated in the pool when the pass started: device time gpu(n_e)
     fetched    copied inside the pass ("fetch"/"greedy" miss rules): its copy is queued on the
                one link no earlier than the layer's expert phase starts, so the k-th such copy
-               of the layer lands ≥ k·transfer_s after that, and its device time follows
+               of the layer lands ≥ k·fetch_s after that (the staging path; its batch cost only
+               adds to it), and its device time follows
     host       computed on the host: cpu(n_e), plus one sync_s if the layer has any
 
 The bound relaxes everything that couples steps or layers, and nothing else:
@@ -21,7 +22,7 @@ The bound relaxes everything that couples steps or layers, and nothing else:
    where j_l counts layer l's needed experts served as "resident".
 2. Per layer, with j resident, f fetched and h = m − j − f on the host (m needed experts):
        device end − start ≥ G(j + f)                       sum of the j+f smallest gpu(n_e)
-       device end − start ≥ f·transfer_s + min_e gpu(n_e)   if f > 0 (the link is serial)
+       device end − start ≥ f·fetch_s + min_e gpu(n_e)      if f > 0 (the link is serial)
        host end   − start ≥ H(h) + sync_s·[h > 0]          sum of the h smallest cpu(n_e)
    Whatever subsets a policy picks, its sums are at least these (the smallest costs of sets of
    that size), so the layer costs at least  dense + min_f max(G, f·T + g_min, H + sync) =: c_l(j),
@@ -88,7 +89,7 @@ def layer_costs(counts: np.ndarray, costs: CostModel, fetch: bool = True, n_toke
     d = np.minimum(d, m)
     host_n = m - d
     host = h[host_n] + np.where(host_n > 0, costs.sync_s, 0.0)
-    link = np.where(f > 0, f * costs.transfer_s + gpu[0], 0.0)
+    link = np.where(f > 0, f * costs.fetch_s + gpu[0], 0.0)
     t = np.maximum(np.maximum(g[d], link), host)
     t = np.where(ok, t, np.inf).min(axis=1)
     return dense + np.minimum.accumulate(t)

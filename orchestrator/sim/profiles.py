@@ -24,7 +24,10 @@ rates, each per byte of the weights it reads so that it carries over to another 
 
     expert, n tokens (host, device)   W_e · s_per_byte(n), a table over n = 1, 2, 4 .. γ+1,
                                       linear between and beyond its points
-    copy one expert                   latency + W_e / bytes_per_s
+    copy one expert (a plan's)        latency + W_e / bytes_per_s
+    copy one expert inside a pass     latency + W_e / stage.bytes_per_s, and stage.batch_s once per
+                                      layer that copies (uploads on miss and the miss gate's go
+                                      through the staging queue, a layer's as one batch)
     non-expert part of a pass         W_ne · (s_per_byte + n · s_per_byte_token)  on the device
     crossing                          per split layer, every pass: the engine's graph splits
                                       every MoE layer whatever the residency
@@ -34,7 +37,7 @@ rates, each per byte of the weights it reads so that it carries over to another 
     the disk (optional)               read rate, latency, queue depth (sim/disk.py), for a host
                                       tier smaller than the experts (sim/host_tier.py)
 
-Why ~770 lines: the cost model's every term reads one field of a hardware or model profile, so
+Why ~800 lines: the cost model's every term reads one field of a hardware or model profile, so
 the profiles, their TOML loading, the cost model (with the drafts made of the target itself,
 `_self_draft`) and the measured profile (`read_measured`,
 `write_measured`: what `spac sim profile measure` writes) and a GGUF's model profile
@@ -298,6 +301,10 @@ class CostModel:
                                      # host before the device half is queued (layers on the device)
     copy_blocks_device: bool = False  # copies and device compute share one worker (an RPC server): the
                                       # copies queued before a pass take device time in it
+    # copies made inside a pass (uploads on miss, the miss gate's): their own path, the staging
+    # queue, one batch per layer (None: as a plan's copies, pcie_bw and no batch cost)
+    stage_bw: float | None = None
+    stage_batch_s: float = 0.0        # once per layer of a pass that copies inside it
     disk: Disk | None = None          # below the host RAM (a host tier smaller than the experts reads from it)
 
     @classmethod
@@ -402,6 +409,7 @@ class CostModel:
             gpu_table=(tuple(device[0]), tuple(w_e * x for x in device[1])),
             cpu_table=(tuple(host[0]), tuple(w_e * x for x in host[1])),
             pcie_bw=hw.copy_bytes_per_s, transfer_latency_s=hw.copy_latency_s,
+            stage_bw=hw.stage_bytes_per_s or None, stage_batch_s=hw.stage_batch_s,
             dense_layer_s=share * per_pass + state_pass, dense_layer_token_s=share * per_token + state_token,
             fixed_pass_s=fixed_share * per_pass, fixed_pass_token_s=fixed_share * per_token,
             attention_block_s=kv_block * hw.kv_s_per_byte, attention_block_token_s=kv_block * hw.kv_s_per_byte_token,
@@ -420,7 +428,14 @@ class CostModel:
 
     @property
     def transfer_s(self) -> float:
+        """One expert copied by a plan (the copy worker, between and beside passes)."""
         return self.transfer_latency_s + self.expert_bytes / self.pcie_bw
+
+    @property
+    def fetch_s(self) -> float:
+        """One expert copied inside a pass (uploads on miss, the miss gate's), besides its layer's
+        stage_batch_s."""
+        return self.transfer_latency_s + self.expert_bytes / (self.stage_bw or self.pcie_bw)
 
     def attention_time(self, n_tokens: int, position: int) -> float:
         """One block's attention over `position` tokens of KV cache, for a pass of n_tokens tokens."""
@@ -554,6 +569,10 @@ class MeasuredProfile:
     measured_at: str = ""
     check: dict = field(default_factory=dict)
     disk: Disk | None = None  # the disk the profile was measured with (--disk-file), None: not measured
+    # copies inside a pass (the staging queue): bytes / stage_bytes_per_s, plus stage_batch_s per
+    # layer that copies; 0: not measured (a profile from before), as a plan's copies
+    stage_bytes_per_s: float = 0.0
+    stage_batch_s: float = 0.0
 
     def expert_rate(self, side: str, quant: str) -> tuple[tuple, tuple]:
         """((tokens...), (s_per_byte...)) of `quant` experts on "host" or "device"; a type that was
@@ -607,6 +626,8 @@ def read_measured(path: str | Path) -> MeasuredProfile:
             copy_blocks_device=bool(p.get("copy_blocks_device", False)),
             measured_with=str(p.get("measured_with", "")), measured_at=str(p.get("measured_at", "")),
             check=dict(data.get("check", {})),
+            stage_bytes_per_s=float(data.get("stage", {}).get("bytes_per_s", 0.0)),
+            stage_batch_s=float(data.get("stage", {}).get("batch_s", 0.0)),
             disk=Disk(float(data["disk"]["read_bytes_per_s"]), float(data["disk"]["latency_s"]),
                       int(data["disk"]["queue_depth"])) if "disk" in data else None)
     except KeyError as e:
@@ -624,7 +645,7 @@ def read_measured(path: str | Path) -> MeasuredProfile:
 # a measured profile's rates: averaged by average_measured (the rest is the first profile's)
 _AVERAGED = ("copy_bytes_per_s", "copy_latency_s", "crossing_s", "non_expert_s_per_byte",
              "non_expert_s_per_byte_token", "draft_s_per_byte", "kv_s_per_byte", "kv_s_per_byte_token",
-             "draft_s_per_token")
+             "draft_s_per_token", "stage_bytes_per_s", "stage_batch_s")
 
 
 def average_measured(profs: list[MeasuredProfile]) -> MeasuredProfile:
@@ -671,6 +692,10 @@ def write_measured(path: str | Path, prof: MeasuredProfile, comment: str = "") -
                       f"s_per_byte = [{', '.join(num(v) for v in x)}]", ""]
     lines += ["[copy]   # one expert host → device: latency_s + bytes / bytes_per_s",
               f"bytes_per_s = {num(prof.copy_bytes_per_s)}", f"latency_s = {num(prof.copy_latency_s)}", "",
+              *(["[stage]   # experts copied inside a pass (uploads on miss, the miss gate's): per layer that copies,",
+                 "          # batch_s + its bytes / bytes_per_s",
+                 f"bytes_per_s = {num(prof.stage_bytes_per_s)}", f"batch_s = {num(prof.stage_batch_s)}", ""]
+                if prof.stage_bytes_per_s or prof.stage_batch_s else []),
               "[crossing]   # per split MoE layer and pass: hidden state to the host and the host half's output back",
               f"s = {num(prof.crossing_s)}", "",
               "[non_expert]   # a pass outside the routed experts (profile.non_expert_on): non-expert bytes × (a + tokens × b)",

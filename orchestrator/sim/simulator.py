@@ -182,8 +182,10 @@ class Pool:
     def visible(self, at: float) -> np.ndarray:
         return self.allocated & (self.ready_at <= at)
 
-    def copy(self, layer: int, expert: int, earliest: float, in_pass: bool, free: bool = False) -> float:
-        """Claim a slot and queue the copy on the link; returns its completion time."""
+    def copy(self, layer: int, expert: int, earliest: float, in_pass: bool, free: bool = False,
+             batch_s: float = 0.0) -> float:
+        """Claim a slot and queue the copy on the link; returns its completion time. A copy inside a
+        pass goes the staging path (CostModel.fetch_s), after batch_s if it opens its layer's batch."""
         assert not self.allocated[layer, expert] and self.n_allocated < self.capacity
         if self.tier is not None and not free:  # the copy reads the expert from host memory
             earliest = self.tier.source(layer, expert, earliest)
@@ -191,10 +193,10 @@ class Pool:
             done = earliest
         else:
             self.started_at[layer, expert] = max(earliest, self.link_free_at)
-            # a copy inside a pass has the device's thread to itself (the pass waits for it); only
-            # a plan's copies share it with passes (link_slowdown)
-            slowdown = 1.0 if in_pass else self.link_slowdown
-            done = self.started_at[layer, expert] + self.costs.transfer_s * slowdown
+            # a copy inside a pass (the staging path) has the device's thread to itself (the pass
+            # waits for it); only a plan's copies share it with passes (link_slowdown)
+            took = batch_s + self.costs.fetch_s if in_pass else self.costs.transfer_s * self.link_slowdown
+            done = self.started_at[layer, expert] + took
             self.link_free_at = done
             if in_pass:
                 self.fetch_bytes += self.costs.expert_bytes
@@ -577,6 +579,7 @@ class _InPassFetcher:
         self.protected = np.zeros_like(pool.allocated)
         self.protected[layer] = miss
         self.landed = t  # when the last of the layer's copies arrives
+        self.batch_s = sim.costs.stage_batch_s  # the layer's first copy opens its staging batch
 
     def _need_slot(self) -> bool:
         cap = self.policy.per_layer_capacity
@@ -603,7 +606,7 @@ class _InPassFetcher:
         pool = self.pool
         if pool.allocated[self.layer, expert]:
             return float(pool.ready_at[self.layer, expert])
-        return max(self.t, pool.link_free_at) + self.costs.transfer_s
+        return max(self.t, pool.link_free_at) + self.costs.fetch_s
 
     def _copy_in(self, expert: int, earliest: float) -> float:
         """When `expert` is on the device: its arrival if it is on its way already, else that of a
@@ -614,7 +617,8 @@ class _InPassFetcher:
         else:
             if self._need_slot():
                 self._evict_one()
-            arrival = pool.copy(self.layer, expert, earliest, in_pass=True)
+            arrival = pool.copy(self.layer, expert, earliest, in_pass=True, batch_s=self.batch_s)
+            self.batch_s = 0.0
         self.landed = max(self.landed, arrival)
         return arrival
 
