@@ -149,3 +149,23 @@ def test_a_session_with_spacs_miss_rule_gives_target_only_tokens(models, tmp_pat
 
     for st in session_engine_stats(models["q4_k_m"], tmp_path, ReuseCredited):
         assert st["n_gate_host"] + st["n_gate_uploads"] + st["n_gate_streamed"] > 0 and st["n_copies"] == 0
+
+
+def test_the_calibration_times_the_gates_own_uploads(models, tmp_path, monkeypatch):
+    """A session whose gates decide the misses calibrates their uploads (the staging queue, not the
+    plan's copy worker) and hands the rule that time; a session without gates does not time them."""
+    from orchestrator.decoding.speculative import Session, SessionConfig
+    from orchestrator.policies.cache import ReuseCredited
+    from orchestrator.policies.default import LookaheadUtility
+    from orchestrator.runtime.pool import Budget, PoolDevice
+
+    sent = []
+    monkeypatch.setattr(ExpertEngine, "set_miss_costs", lambda self, c, _set=ExpertEngine.set_miss_costs: (
+        sent.append(c), _set(self, c))[-1])
+    base = dict(model=models["q4_k_m"], n_ctx=256, n_threads=2, repack="off", calibration_cache=tmp_path / "cal.json",
+                pool=(PoolDevice("CPU", Budget(ratio=0.25)),))
+    with Session(SessionConfig(**base), policy=ReuseCredited()) as s:
+        cal = s.calibration
+    assert cal.t_upload_unit > 0 and sent[-1].upload_s == cal.t_upload_unit
+    with Session(SessionConfig(**base), policy=LookaheadUtility(miss="cpu")) as s:
+        assert s.calibration.t_upload_unit == 0

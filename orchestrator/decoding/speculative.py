@@ -402,11 +402,12 @@ class Session:
                             device=",".join(d.name for d in cfg.pool), n_threads=cfg.n_threads,
                             budget=",".join(str(d.budget.nbytes or d.budget.ratio) for d in cfg.pool),
                             gamma=self.gamma, k_max=cfg.k_max,
-                            draft_kind=self.draft_kind.value if self.draft_kind in (DraftKind.POOL, DraftKind.MTP) else "")
+                            draft_kind=self.draft_kind.value if self.draft_kind in (DraftKind.POOL, DraftKind.MTP) else "",
+                            miss_gate=bool(self.policy.gate_readback))
         self.calibration = cal = calibrate.load_or_calibrate(rig, force=force, path=cfg.calibration_cache)
         if self.policy.gate_readback:  # spac's miss rule decides on the measured unit costs
             self.engine.set_miss_costs(MissCosts(
-                upload_s=cal.t_io_unit, sync_s=0.0, horizon_tokens=getattr(self.policy, "horizon", 0.0),
+                upload_s=cal.t_upload_unit or cal.t_io_unit, sync_s=0.0, horizon_tokens=getattr(self.policy, "horizon", 0.0),
                 host_s=lambda n: n * cal.t_cpu_unit, device_s=lambda n: n * cal.t_gpu_unit))
         self._plan_sent = self._plan_in_force = None
         # initial placement, with the calibration as the first measurement

@@ -4,6 +4,8 @@
     T^u_gpu  one expert's batched call on the device       passes with 0, ¼, ½, ¾, all of the
                                                             experts they use resident (below)
     T^u_io   copying one expert host → device               engine stats: copy time / copies
+    T^u_up   uploading one expert inside a pass (the miss    engine stats: the passes' wait for
+             gate's uploads: the staging queue)              their uploads / uploads (a gate only)
     W^u_e    bytes of one expert                            GGUF tensor sizes (gate+up+down)
     T^u_draft the draft's time per drafted token            timed single-token draft decodes
     T_total  one layer's share of a verify pass             median verify time / MoE layers
@@ -60,6 +62,9 @@ class Calibration:
     t_total: float
     n_moe_layers: int
     n_slots: int
+    # one expert uploaded inside a pass by the miss gate (the staging queue, a layer's uploads as
+    # one batch whose cost it shares); 0: not measured (no gate), t_io_unit stands in
+    t_upload_unit: float = 0.0
     measured_at: float = 0.0
     source: str = "measured"  # or "cache"
 
@@ -119,12 +124,13 @@ class Rig:
     gamma: int
     k_max: int
     draft_kind: str = ""      # a draft on the target's own file: "pool" or "mtp" (they cost differently)
+    miss_gate: bool = False   # the engine's gates decide the misses: their uploads are timed too
 
     def cache_key(self) -> str:
         parts = [f"v{VERSION}", file_fingerprint(self.model_path),
                  file_fingerprint(self.draft_path) if self.draft_path is not None else "-",
                  machine_id(), self.device, f"t{self.n_threads}", f"b{self.budget}", f"g{self.gamma}"]
-        return "|".join(parts + ([self.draft_kind] if self.draft_kind else []))
+        return "|".join(parts + ([self.draft_kind] if self.draft_kind else []) + (["gate"] if self.miss_gate else []))
 
 
 def expert_bytes(model_path: str | Path) -> float:
@@ -239,12 +245,39 @@ def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0,
     else:
         t_io = w_e / host_copy_bandwidth()
 
+    t_upload = measure_uploads(rig, prefix, rng, repeats) if rig.miss_gate else 0.0
     t_draft = measure_draft(rig.draft_ctx, prefix, rng) if rig.draft_ctx is not None else 0.0
     step()
-    return Calibration(t_cpu_unit=float(t_cpu), t_gpu_unit=float(t_gpu), t_io_unit=float(t_io),
+    return Calibration(t_cpu_unit=float(t_cpu), t_gpu_unit=float(t_gpu), t_io_unit=float(t_io), t_upload_unit=t_upload,
                        expert_bytes=float(w_e), t_draft_token=float(t_draft),
                        t_total=float(np.median(times)) / n_layer, n_moe_layers=n_layer,
                        n_slots=n_slots, measured_at=time.time())
+
+
+def measure_uploads(rig: Rig, prefix: np.ndarray, rng: np.random.Generator, repeats: int) -> float:
+    """T^u_up: the passes' wait per expert their gates uploaded, with costs that upload every miss
+    (a plan's copies go another way, the copy worker's, at another rate: 9-10 against 18 GB/s on
+    the CPU test device). Passes of new γ+1 tokens, so that they miss; 0 where none did (a pool
+    of every expert). The gates are left with no costs (every miss on the host), as they were."""
+    from orchestrator.runtime.native import MissCosts
+
+    engine, ctx = rig.engine, rig.ctx
+    engine.set_miss_costs(MissCosts(upload_s=0.0, sync_s=0.0, horizon_tokens=0.0,
+                                    host_s=lambda n: n * 1.0, device_s=lambda n: n * 0.0))
+    try:
+        ctx.clear()
+        ctx.decode(prefix, logits_all=False)
+        base = ctx.n_past
+        s0 = engine.stats()
+        for _ in range(max(repeats, 6)):  # one pass's uploads cost 0.5-1.5 ms each on the CPU test device
+            ctx.decode(rng.integers(0, ctx.n_vocab, max(rig.gamma, 1) + 1), logits_all=True)
+            ctx.trim(base)
+        s1 = engine.stats()
+    finally:
+        engine.set_miss_costs(None)
+        ctx.clear()
+    n = s1["n_staged"] - s0["n_staged"]
+    return (s1["stage_wait_us"] - s0["stage_wait_us"]) * 1e-6 / n if n > 0 else 0.0
 
 
 def measure_draft(dctx, prefix: np.ndarray, rng: np.random.Generator, n: int = 8) -> float:
