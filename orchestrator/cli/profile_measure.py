@@ -406,7 +406,7 @@ def _stage_rate(model, path: Path, device: str | None, n_threads: int, prefix: n
         return 0.0, 0.0
     (batch_us, us_per_byte), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
     if us_per_byte <= 0:  # no rate to fit beside the batches: the whole wait per byte
-        return float(a[:, 1].sum() / a[:, 2].sum() * 1e6), 0.0
+        return float(a[:, 1].sum() / max(a[:, 2].sum(), 1.0) * 1e6), 0.0
     return 1e6 / float(us_per_byte), max(float(batch_us), 0.0) * 1e-6
 
 
