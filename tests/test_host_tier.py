@@ -231,6 +231,18 @@ def generate(path: Path, *flags: str, limit: int | None = None) -> tuple[subproc
 
 
 @pytest.fixture(scope="module")
+def shape_draft(big_file):
+    """A draft file of the target's routing shape (its MoE layers, experts and top-k, its vocabulary)
+    and little else: a few MB, held in memory beside the limited target."""
+    from dataclasses import replace
+
+    cfg = replace(SHAPE, n_embd=64, n_head=2, n_head_kv=1, head_dim=32, n_ff=128, n_ff_exp=32, name="shape-draft")
+    path = big_file.with_name("shape-draft.gguf")
+    write_gguf(path, cfg, synthetic_tensors(cfg, seed=1), byte_level_bpe_tokenizer(cfg.n_vocab), dtype="q4_0")
+    return path
+
+
+@pytest.fixture(scope="module")
 def reference(big_file):
     """Target-only tokens of an unlimited run, every weight in memory."""
     proc, _ = generate(big_file, "--draft", "none")
@@ -256,6 +268,17 @@ def test_under_half_the_file_gives_the_unlimited_runs_tokens(big_file, reference
     assert out["tokens"] == reference
     if "pool" in flags:
         assert out["n_drafted"] > 0
+
+
+def test_a_draft_model_of_the_targets_shape_names_what_to_read_ahead(big_file, reference, shape_draft):
+    """No pool: the draft's routing of the tokens it drafts still feeds the host tier's reads ahead,
+    and the tokens are target-only's."""
+    limit = big_file.stat().st_size * 45 // 100
+    proc, report = generate(big_file, "-md", str(shape_draft), "--draft-max", "2", "--draft-min", "2", limit=limit)
+    assert report["oom_kills"] == 0 and proc.returncode == 0, (report, proc.stderr[-2000:])
+    out = json.loads(proc.stdout)
+    assert out["tokens"] == reference and out["n_drafted"] > 0 and out["engine"] is False
+    assert out["host_tier"]["n_read_ahead"] > 0
 
 
 def test_what_cannot_fit_is_one_line_and_exit_2(big_file):

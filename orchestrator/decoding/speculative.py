@@ -299,6 +299,8 @@ class Session:
             self._drop_draft()
         if cfg.host_tiers is not None and cfg.host_tiers.on_disk:
             self._open_host_tier(cfg.host_tiers)
+            if self.engine is None:  # no pool: a draft of the target's shape still names what to read ahead
+                self._open_draft_routing()
 
     def _model(self, path, n_gpu_layers: int, devices: tuple[str, ...] = (), tensor_split: tuple[float, ...] = (),
                mtp: bool = False, experts_on_disk: bool = False) -> Model:
@@ -418,7 +420,8 @@ class Session:
 
     def _open_draft_routing(self) -> None:
         """An MoE draft with the target's experts (the quantised self-draft) routes the tokens it
-        drafts: export that routing too, a lookahead for the next verify pass."""
+        drafts: export that routing too, a lookahead for the next verify pass (the pool's plans
+        and the host tier's reads ahead)."""
         d, t = self.draft, self.target
         # an MTP head's MoE layer is its own, not one of the target's: no lookahead from it
         if self.draft_kind is DraftKind.MTP or d is None or self.draft_ctx is None or d.n_expert != t.n_expert:
@@ -426,8 +429,9 @@ class Session:
         key = "{}.expert_used_count"
         if d.meta(key.format(d.arch)) != t.meta(key.format(t.arch)):
             return
-        routing = Routing(self.draft_ctx.ptr, self.engine.n_expert_used)
-        if routing.n_moe_layers == self.engine.n_moe_layers:
+        target_routing = self.routing if self.engine is not None else self.tier_routing
+        routing = Routing(self.draft_ctx.ptr, target_routing.n_expert_used)
+        if routing.n_moe_layers == target_routing.n_moe_layers:
             self.draft_routing = routing
         else:
             routing.disable()
@@ -441,7 +445,7 @@ class Session:
         rows.append(ids[:, -1, :].copy())
         if self.host_tier is not None:  # the verify pass will likely use these: read them while the draft goes on
             self.host_tier.lookahead(ids[:, -1:, :])
-        if self.policy.uses_draft_routing:
+        if self.engine is not None and self.policy.uses_draft_routing:
             plan = self.policy.draft_plan(np.stack(rows), self._resident())
             if plan is not None:
                 self._send(plan)
@@ -561,7 +565,7 @@ class Session:
         q: list[np.ndarray] = []
         t0 = time.perf_counter()
         draft_rows: list[np.ndarray] = []
-        lookahead = self.engine is not None and self.draft_routing is not None
+        lookahead = self.draft_routing is not None
         if gamma > 0 and dctx is not None:
             feed = tokens[dctx.n_past:]
             is_eog = self.draft.is_eog
