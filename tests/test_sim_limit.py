@@ -39,6 +39,19 @@ def test_limit_bounds_every_policy(trace, ratio, visibility, hardware, engine):
     sim = Simulator(trace, config)
     if engine:
         sim = Simulator(trace, config, costs=replace(sim.costs, sync_every_layer=True, zero_slot=True))
+    assert_bounds(trace, sim)
+
+
+@pytest.mark.parametrize("ratio", [0.17, 0.3])
+def test_limit_bounds_every_policy_with_a_staging_path(trace, ratio):
+    """A measured profile's copies inside a pass: their own rate (here 4x a plan's) and a cost per
+    layer batch, which the bound leaves out (it only adds time)."""
+    sim = Simulator(trace, SimConfig(cache_ratio=ratio, hardware="rtx4060"))
+    staged = replace(sim.costs, stage_bw=4 * sim.costs.pcie_bw, stage_batch_s=0.2e-3)
+    assert_bounds(trace, Simulator(trace, SimConfig(cache_ratio=ratio, hardware="rtx4060"), costs=staged))
+
+
+def assert_bounds(trace, sim: Simulator) -> None:
     bound = limit(trace, sim.capacity, sim.costs)
     for name in POLICIES:
         try:
