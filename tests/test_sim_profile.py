@@ -65,6 +65,9 @@ def test_the_mean_of_two_measurements():
     assert mean.device_rates == MACHINE.device_rates  # the same in both
     assert mean.crossing_s == pytest.approx(100e-6) and mean.copy_bytes_per_s == pytest.approx(4e9)
     assert mean.non_expert_s_per_byte == MACHINE.non_expert_s_per_byte and mean.device == "RPC0"
+    # a staging path measured in one of them only: its values, not half of them
+    staged = profiles.average_measured([MACHINE, replace(slower, stage_bytes_per_s=2e10, stage_batch_s=4e-4)])
+    assert (staged.stage_bytes_per_s, staged.stage_batch_s) == (2e10, 4e-4)
     with pytest.raises(ValueError, match="other token counts"):
         profiles.average_measured([MACHINE, replace(MACHINE, device_rates={"Q4_K": ((1, 2), (1e-11, 1e-11))})])
     with pytest.raises(ValueError, match="different devices"):

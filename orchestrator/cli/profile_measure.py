@@ -244,12 +244,12 @@ def measure(model_path: Path, device: str | None, n_threads: int = 1, draft_path
     target, CPU device, Zen 5)."""
     with batch_invariant(EXACT_ROWS if exact else 0):
         return _measure(model_path, device, n_threads, draft_path, tokens, repeats, name, progress, seed,
-                        layers_on_device, repack, skip_absent, raw, mmap)
+                        layers_on_device, repack, skip_absent, raw, mmap, exact)
 
 
 def _measure(model_path: Path, device: str | None, n_threads: int, draft_path: Path | None, tokens, repeats: int,
              name: str, progress: Callable[[str], None], seed: int, layers_on_device: bool | None, repack: str | None,
-             skip_absent: bool, raw: dict | None, mmap: bool) -> MeasuredProfile:
+             skip_absent: bool, raw: dict | None, mmap: bool, exact: bool) -> MeasuredProfile:
     tokens = tuple(sorted(set(int(n) for n in tokens)))
     target, quant = profiles.from_gguf(model_path)
     w_e = target.expert_bytes(quant)
@@ -258,8 +258,8 @@ def _measure(model_path: Path, device: str | None, n_threads: int, draft_path: P
         layers_on_device = not on_cpu_pool
     progress(f"loading {Path(model_path).name}")
     layout = {} if repack is None else {"repack": repack}
-    # spac's layout as a session's default (exact mode) has it: what the live host computes with
-    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, mmap=mmap, exact=True,
+    # spac's layout as a session in this mode has it: what the live host computes with
+    model = Model(model_path, n_gpu_layers=-1 if layers_on_device else 0, n_threads=n_threads, mmap=mmap, exact=exact,
                   **layout)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, model.n_vocab, PREFIX)
@@ -386,8 +386,9 @@ def _stage_rate(model, path: Path, device: str | None, n_threads: int, prefix: n
     """The staging path's rate and its cost per batch: what the passes wait for the experts copied
     inside them (llama.cpp's cache ablation, a quarter of the experts' slots, uploads every miss;
     the miss gate's uploads take the same queue, a layer's as one batch). Least squares of each
-    pass's wait = batches · batch_s + bytes / bytes_per_s over passes of 1 and the most tokens;
-    (0, 0) where nothing was copied."""
+    pass's wait = batches · batch_s + bytes / bytes_per_s over passes of 1 and the most tokens
+    (the cache hands every layer of its passes to the copy worker, misses or not: each is a batch);
+    a negative batch cost: the wait per byte alone; (0, 0) where nothing was copied."""
     bench = _Bench(model, path, device, n_threads, prefix, slot * max(n_experts // 4, 1) + slot // 2,
                    skip_absent=skip_absent, upload_on_miss_tokens=max(tokens))
     rows = []
@@ -405,9 +406,9 @@ def _stage_rate(model, path: Path, device: str | None, n_threads: int, prefix: n
     if not a[:, 1].sum():
         return 0.0, 0.0
     (batch_us, us_per_byte), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
-    if us_per_byte <= 0:  # no rate to fit beside the batches: the whole wait per byte
+    if us_per_byte <= 0 or batch_us < 0:  # no cost per batch beside the rate: the whole wait per byte
         return float(a[:, 1].sum() / max(a[:, 2].sum(), 1.0) * 1e6), 0.0
-    return 1e6 / float(us_per_byte), max(float(batch_us), 0.0) * 1e-6
+    return 1e6 / float(us_per_byte), float(batch_us) * 1e-6
 
 
 def _check(prof: MeasuredProfile, target, quant: str, passes) -> dict:

@@ -177,6 +177,8 @@ def measure(rig: Rig, repeats: int = 3, prefix_len: int = 16, seed: int = 0,
     """Run the warm-up measurement (the KV caches end up empty, the pool wanting nothing); `step`
     is called after each of its len(RESIDENT_SHARES) + 2 steps (a progress display)."""
     engine, routing, ctx = rig.engine, rig.routing, rig.ctx
+    if rig.miss_gate:  # a recalibration: the timed passes compute every miss on the host, as at the start
+        engine.set_miss_costs(None)
     gamma = max(rig.gamma, 1)
     rng = np.random.default_rng(seed)
     n_vocab = ctx.n_vocab
@@ -258,7 +260,8 @@ def measure_uploads(rig: Rig, prefix: np.ndarray, rng: np.random.Generator, repe
     """T^u_up: the passes' wait per expert their gates uploaded, with costs that upload every miss
     (a plan's copies go another way, the copy worker's, at another rate: 9-10 against 18 GB/s on
     the CPU test device). Passes of new γ+1 tokens, so that they miss; 0 where none did (a pool
-    of every expert). The gates are left with no costs (every miss on the host), as they were."""
+    of every expert). The gates are left with no costs (every miss on the host), as `measure`
+    runs them; the session then sets its own."""
     from orchestrator.runtime.native import MissCosts
 
     engine, ctx = rig.engine, rig.ctx

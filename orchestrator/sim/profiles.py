@@ -570,7 +570,8 @@ class MeasuredProfile:
     check: dict = field(default_factory=dict)
     disk: Disk | None = None  # the disk the profile was measured with (--disk-file), None: not measured
     # copies inside a pass (the staging queue): bytes / stage_bytes_per_s, plus stage_batch_s per
-    # layer that copies; 0: not measured (a profile from before), as a plan's copies
+    # layer that copies (fitted over the cache ablation's layers, each a batch, misses or not);
+    # 0: not measured (a profile from before), as a plan's copies
     stage_bytes_per_s: float = 0.0
     stage_batch_s: float = 0.0
 
@@ -645,7 +646,7 @@ def read_measured(path: str | Path) -> MeasuredProfile:
 # a measured profile's rates: averaged by average_measured (the rest is the first profile's)
 _AVERAGED = ("copy_bytes_per_s", "copy_latency_s", "crossing_s", "non_expert_s_per_byte",
              "non_expert_s_per_byte_token", "draft_s_per_byte", "kv_s_per_byte", "kv_s_per_byte_token",
-             "draft_s_per_token", "stage_bytes_per_s", "stage_batch_s")
+             "draft_s_per_token")
 
 
 def average_measured(profs: list[MeasuredProfile]) -> MeasuredProfile:
@@ -666,6 +667,9 @@ def average_measured(profs: list[MeasuredProfile]) -> MeasuredProfile:
         return out
 
     means = {f: sum(getattr(p, f) for p in profs) / len(profs) for f in _AVERAGED}
+    staged = [p for p in profs if p.stage_bytes_per_s]  # 0: the staging path was not measured, not a rate of 0
+    for f in ("stage_bytes_per_s", "stage_batch_s"):
+        means[f] = sum(getattr(p, f) for p in staged) / len(staged) if staged else 0.0
     return replace(first, host=tables("host"), device_rates=tables("device_rates"), **means,
                    measured_at=" and ".join(p.measured_at for p in profs))
 

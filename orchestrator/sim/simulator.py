@@ -602,7 +602,9 @@ class _InPassFetcher:
         self.evicted[victim] = True
 
     def arrival(self, expert: int) -> float:
-        """When `expert` would be on the device if copied now (or is, if on its way)."""
+        """When `expert` would be on the device if copied now (or is, if on its way), by its
+        fetch_s alone: the layer's batch cost is charged when it copies (Pool.copy), not counted
+        here, as the engine's gate decides on a cost per upload (MissCosts.upload_s)."""
         pool = self.pool
         if pool.allocated[self.layer, expert]:
             return float(pool.ready_at[self.layer, expert])
