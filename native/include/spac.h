@@ -263,9 +263,6 @@ struct spac_disk_stats {
     uint64_t n_dropped;        // experts given SPAC_DISK_DROP
     uint64_t gate_advise_ns;   // time the gates' threads spent asking for the stalls' bytes (madvise
                                // WILLNEED: in a full memory cgroup it charges and reclaims), summed
-    uint64_t n_read_next;      // experts the read of the next layer asked for, not wholly in memory
-    uint64_t bytes_read_next;  // their bytes not in memory then
-    uint64_t read_next_ns;     // time the gates' threads spent asking for them, summed
 };
 
 // true when the model's routed experts are read from the disk (LLAMA_LAZY_MODE_EXPERTS)
@@ -278,11 +275,6 @@ int32_t spac_disk_missing(const struct llama_model * model, const int32_t * laye
 // on_device: [n_moe_layers][n_expert] bytes, 1 for an expert a device pool holds (the gates leave
 // it to the device); NULL: none. Copied; a stale entry costs a read, never a wrong result.
 void    spac_disk_set_on_device(struct llama_model * model, const uint8_t * on_device);
-// n > 0: each MoE layer's gate also asks for the next MoE layer's likely experts not in memory,
-// the n best per token of that layer's router applied to this layer's input, so that the disk
-// reads them while this layer computes (a guess: a wrong one costs a read, never a wrong result);
-// 0: off (the default). Only where the routers are host weights.
-void    spac_disk_set_read_next(struct llama_model * model, int32_t n);
 void    spac_disk_get_stats  (const struct llama_model * model, struct spac_disk_stats * stats);
 void    spac_disk_reset_stats(struct llama_model * model);
 

@@ -455,12 +455,6 @@ void spac_disk_set_on_device(llama_model * model, const uint8_t * on_device) {
     }
 }
 
-void spac_disk_set_read_next(llama_model * model, int32_t n) {
-    if (spac_model_experts_on_disk(model)) {
-        model->experts_on_disk->set_read_next(n);
-    }
-}
-
 void spac_disk_get_stats(const llama_model * model, spac_disk_stats * stats) {
     *stats = {};
     if (spac_model_experts_on_disk(model)) {

@@ -179,9 +179,6 @@ class SessionConfig:
     disk_read_ahead: bool = option("--disk-read-ahead/--no-disk-read-ahead", default=True, help=(
         "with the experts on the disk, read ahead after every pass the experts the next pass will likely use "
         "(its own choices, ranked, and the draft's); --no-disk-read-ahead: read an expert only when a pass uses it"))
-    disk_read_next: int = option("--disk-read-next", default=0, check=at_least(0, "0: off"), help=(
-        "with the experts on the disk, each MoE layer also reads the next layer's N likeliest experts per token "
-        "(that layer's router on this layer's input) while it computes; 0: off"))
     host_tiers: HostTiers | None = None  # resolved from --host-budget before loading (cli/setup.py); None: all in memory
     recalibrate: bool = option("--recalibrate", default=False, help="measure the unit costs again")
     calibration_cache: str | Path | None = None  # default: calibrate.cache_path()
@@ -386,7 +383,6 @@ class Session:
         self.tier_routing = self.routing or Routing(self.ctx.ptr, n_used)
         self.host_tier = HostTier(ExpertsOnDisk(self.target.ptr), self.tier_routing.n_moe_layers, self.target.n_expert,
                                   capacity=tiers.n_kept, read_ahead=self.cfg.disk_read_ahead)
-        self.host_tier.disk.set_read_next(self.cfg.disk_read_next)
 
     def _after_target_pass(self) -> None:
         if self.host_tier is not None:

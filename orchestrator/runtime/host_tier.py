@@ -257,5 +257,5 @@ class HostTier:
         return {"capacity": self.capacity, "resident": int(self.resident.sum()), "read_ahead": self.read_ahead,
                 "busy_s": self.busy_s,
                 "hits": s["n_gate_experts"] - s["n_stalls"], "stalls": s["n_stalls"],
-                "bytes_read": s["bytes_stalled"] + s["bytes_read_ahead"] + s["bytes_read_next"], **s}
+                "bytes_read": s["bytes_stalled"] + s["bytes_read_ahead"], **s}
 

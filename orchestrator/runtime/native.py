@@ -114,9 +114,6 @@ class SpacDiskStats(ctypes.Structure):
         ("bytes_read_ahead", c_uint64),
         ("n_dropped", c_uint64),
         ("gate_advise_ns", c_uint64),
-        ("n_read_next", c_uint64),
-        ("bytes_read_next", c_uint64),
-        ("read_next_ns", c_uint64),
     ]
 
 
@@ -204,7 +201,6 @@ def _bind():
         "disk_advise": fn("spac_disk_advise", c_int32, c_void_p, c_void_p, c_int32, c_int32),
         "disk_missing": fn("spac_disk_missing", c_int32, c_void_p, c_void_p, c_int32, c_void_p),
         "disk_set_on_device": fn("spac_disk_set_on_device", None, c_void_p, c_void_p),
-        "disk_set_read_next": fn("spac_disk_set_read_next", None, c_void_p, c_int32),
         "disk_get_stats": fn("spac_disk_get_stats", None, c_void_p, POINTER(SpacDiskStats)),
         "disk_reset_stats": fn("spac_disk_reset_stats", None, c_void_p),
     }
@@ -331,11 +327,6 @@ class ExpertsOnDisk:
         """What a device pool holds ([n_moe_layers, n_expert] bool): the gates leave it to the device."""
         mask = None if on_device is None else np.ascontiguousarray(on_device, dtype=np.uint8)
         lib()["disk_set_on_device"](self._model, None if mask is None else mask.ctypes.data)
-
-    def set_read_next(self, n: int) -> None:
-        """Each gate also reads the next MoE layer's n likeliest experts per token (its router on
-        this layer's input) while this layer computes; 0: off."""
-        lib()["disk_set_read_next"](self._model, int(n))
 
     def stats(self) -> dict:
         s = SpacDiskStats()

@@ -1397,7 +1397,6 @@ class exact_traits : public ggml::cpu::tensor_traits {
         int64_t done = 0;
         const int64_t gstride = group_bytes(src0->type, K);
         const int     groups  = gemv_groups.load(std::memory_order_relaxed);
-        int64_t       waited  = -1;  // the expert this thread last waited for (ggml_cpu_expert_wait)
         for (int64_t e = 0; e < n_as; ++e) {
             const int64_t n = counts[e];
             if (n == 0) {
@@ -1415,10 +1414,6 @@ class exact_traits : public ggml::cpu::tensor_traits {
                 const int64_t owner = (2 * done + cost) * params->nth / (2 * total);  // by the unit's middle
                 done += cost;
                 if (owner == params->ith) {
-                    if (waited != e) {
-                        ggml_cpu_expert_wait(src0, e);
-                        waited = e;
-                    }
                     const uint8_t * w = group_at(src0, w0, g, scratch);
                     groups_for_tokens(src0->type, w, gstride, G, K, n, act, out, g * GROUP, M);
                 }
